@@ -6,7 +6,7 @@
 #define MOE_KERNELS_ACTIVATION_H_
 
 #include <cstdint>
-#include <string_view>
+#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -14,8 +14,8 @@
 namespace moe {
 
 enum class ActivationKind : uint8_t { kSilu, kSwigluOai, kSitu, kGelu, kGeluTanh };
-std::string_view ActivationKindName(ActivationKind k);
-absl::StatusOr<ActivationKind> ParseActivationKind(std::string_view name);  // "silu", ...
+absl::string_view ActivationKindName(ActivationKind k);
+absl::StatusOr<ActivationKind> ParseActivationKind(absl::string_view name);  // "silu", ...
 
 // Layout of gate and up rows inside w13 [2I, H] (and b13 [2I]).
 enum class GateUpLayout : uint8_t {
@@ -43,7 +43,7 @@ void ApplyActivationRow(const ActivationParams& p, GateUpLayout layout, const fl
                         int64_t inter, float* out);
 
 // Row index inside w13/b13 of gate j and up j.
-inline int64_t GateRow(GateUpLayout layout, int64_t j, int64_t inter) {
+inline int64_t GateRow(GateUpLayout layout, int64_t j, int64_t /*inter*/) {
   return layout == GateUpLayout::kInterleaved ? 2 * j : j;
 }
 inline int64_t UpRow(GateUpLayout layout, int64_t j, int64_t inter) {

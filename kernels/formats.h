@@ -7,7 +7,7 @@
 #define MOE_KERNELS_FORMATS_H_
 
 #include <cstdint>
-#include <string_view>
+#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "kernels/tensor.h"
@@ -39,7 +39,7 @@ inline constexpr int64_t kMxfp4Block = 32;  // K elements per UE8M0 scale
 inline constexpr int64_t kNvfp4Block = 16;  // K elements per E4M3 scale
 
 enum class WeightFormat : uint8_t { kMxfp4, kNvfp4, kBf16 };
-std::string_view WeightFormatName(WeightFormat f);
+absl::string_view WeightFormatName(WeightFormat f);
 
 // One expert matrix W [rows = N output channels, cols = K], K contiguous.
 //   MXFP4: values U8 [N, K/2] (even element in the low nibble), scales U8 (UE8M0) [N, K/32].
@@ -57,7 +57,7 @@ struct WeightMatrix {
 // INVALID_ARGUMENT unless `w` is a well-formed matrix of [rows, cols]: dtypes and shapes as above,
 // cols a multiple of the format's block, no NaN scale (UE8M0 255, E4M3 0x7F/0xFF), no NaN/Inf BF16.
 [[nodiscard]] absl::Status ValidateWeightMatrix(const WeightMatrix& w, int64_t rows, int64_t cols,
-                                                std::string_view name);
+                                                absl::string_view name);
 
 // Dequantizes rows [row_begin, row_end) of `w` into `out` ([row_end - row_begin, cols] fp32),
 // multiplying by `global_scale` (NVFP4's weight_scale_2; pass 1 otherwise).

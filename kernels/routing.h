@@ -7,7 +7,7 @@
 #define MOE_KERNELS_ROUTING_H_
 
 #include <cstdint>
-#include <string_view>
+#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -23,8 +23,8 @@ enum class RoutingMethod : uint8_t {
   kSigmoid,           // sigmoid scores, top-k
   kSigmoidRenorm,     // sigmoid scores, top-k, renormalized
 };
-std::string_view RoutingMethodName(RoutingMethod m);
-absl::StatusOr<RoutingMethod> ParseRoutingMethod(std::string_view name);
+absl::string_view RoutingMethodName(RoutingMethod m);
+absl::StatusOr<RoutingMethod> ParseRoutingMethod(absl::string_view name);
 
 struct RoutingParams {
   RoutingMethod method = RoutingMethod::kRenormalize;

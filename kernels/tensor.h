@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
-#include <string_view>
+#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/container/inlined_vector.h"
@@ -32,7 +32,7 @@ enum class DType : uint8_t {
 };
 
 size_t DTypeSize(DType dtype);
-std::string_view DTypeName(DType dtype);
+absl::string_view DTypeName(DType dtype);
 
 using Shape = absl::InlinedVector<int64_t, 4>;
 
@@ -90,10 +90,10 @@ inline constexpr int64_t kAnyDim = -1;
 
 // OK when `t` has `dtype`, the rank of `shape`, every non-wildcard dimension equal, and non-null
 // data (a tensor with zero elements may have null data). Otherwise INVALID_ARGUMENT naming `name`.
-[[nodiscard]] absl::Status CheckTensor(const TensorView& t, std::string_view name, DType dtype,
+[[nodiscard]] absl::Status CheckTensor(const TensorView& t, absl::string_view name, DType dtype,
                                        std::initializer_list<int64_t> shape);
 // Same, accepting any of `dtypes`.
-[[nodiscard]] absl::Status CheckTensorOneOf(const TensorView& t, std::string_view name,
+[[nodiscard]] absl::Status CheckTensorOneOf(const TensorView& t, absl::string_view name,
                                             std::initializer_list<DType> dtypes,
                                             std::initializer_list<int64_t> shape);
 

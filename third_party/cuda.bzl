@@ -56,5 +56,6 @@ def cuda_library(name, srcs, hdrs = [], cu_hdrs = [], nocuda_srcs = [], deps = [
             "//conditions:default": ["@cuda//:cudart_static"],
         }),
         alwayslink = True,
+        linkstatic = True,
         **kwargs
     )

@@ -1,0 +1,185 @@
+#include "client/client.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "grpcpp/grpcpp.h"
+#include "kernels/formats.h"
+#include "server/common/status.h"
+#include "server/common/wire.h"
+
+namespace moe {
+namespace {
+
+constexpr int kMaxMessageBytes = 256 << 20;
+
+bool Retryable(const absl::Status& s) {
+  return s.code() == absl::StatusCode::kUnavailable ||
+         (s.code() == absl::StatusCode::kFailedPrecondition &&
+          absl::StrContains(s.message(), "stale map version"));
+}
+
+bool AllReady(const v1::ClusterMap& map) {
+  if (map.shards_size() == 0) return false;
+  for (const auto& s : map.shards()) {
+    if (!s.ready()) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  args.SetMaxSendMessageSize(kMaxMessageBytes);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+}
+
+
+MoeClient::MoeClient(ClientOptions options)
+    : options_(std::move(options)),
+      coordinator_(v1::Coordinator::NewStub(MakeChannel(options_.coordinator))) {}
+
+MoeClient::~MoeClient() {
+  stopping_.store(true);
+  {
+    absl::MutexLock lock(&mu_);
+    if (watch_ctx_) watch_ctx_->TryCancel();
+  }
+  if (watcher_.joinable()) watcher_.join();
+}
+
+absl::StatusOr<std::unique_ptr<MoeClient>> MoeClient::Connect(ClientOptions options,
+                                                              absl::Duration wait) {
+  std::unique_ptr<MoeClient> client(new MoeClient(std::move(options)));
+  const absl::Time give_up = absl::Now() + wait;
+  absl::Status last = absl::UnavailableError("no answer");
+  for (absl::Duration backoff = absl::Milliseconds(20); absl::Now() < give_up;
+       backoff = std::min(backoff * 2, absl::Milliseconds(500))) {
+    last = client->RefreshMap();
+    if (last.ok() && AllReady(client->cluster_map())) break;
+    if (last.ok()) last = absl::UnavailableError("shards are not all ready yet");
+    absl::SleepFor(backoff);  // polling the coordinator at start-up, not synchronization
+  }
+  if (!last.ok()) {
+    return absl::Status(last.code(), absl::StrCat("connecting to coordinator ",
+                                                  client->options_.coordinator, ": ",
+                                                  last.message()));
+  }
+  if (client->options_.watch_map) {
+    client->watcher_ = std::thread([c = client.get()] { c->WatchLoop(); });
+  }
+  return client;
+}
+
+absl::Status MoeClient::InstallMap(const v1::ClusterMap& map) {
+  auto state = std::make_shared<MapState>();
+  state->map = map;
+  for (int l = 0; l < map.layers_size(); ++l) {
+    const auto& p2l = map.layers(l).physical_to_logical();
+    absl::StatusOr<LayerPlacement> lp = LayerPlacement::Create(
+        absl::MakeConstSpan(p2l.data(), p2l.size()), static_cast<int32_t>(map.model().num_experts()));
+    if (!lp.ok()) return lp.status();
+    state->layers.push_back(*std::move(lp));
+  }
+  absl::MutexLock lock(&mu_);
+  if (!state_ || state_->map.version() <= map.version()) state_ = std::move(state);
+  return absl::OkStatus();
+}
+
+absl::Status MoeClient::RefreshMap() {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  v1::ClusterMap map;
+  grpc::Status s = coordinator_->GetClusterMap(&ctx, v1::GetClusterMapRequest(), &map);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return InstallMap(map);
+}
+
+void MoeClient::WatchLoop() {
+  while (!stopping_.load()) {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    grpc::ClientContext* raw = ctx.get();
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_.load()) return;
+      watch_ctx_ = std::move(ctx);
+    }
+    v1::WatchClusterMapRequest req;
+    req.set_known_version(cluster_map().version());
+    auto reader = coordinator_->WatchClusterMap(raw, req);
+    v1::ClusterMap map;
+    while (reader->Read(&map)) {
+      if (!InstallMap(map).ok()) break;
+    }
+    reader->Finish();
+    if (!stopping_.load()) absl::SleepFor(absl::Milliseconds(200));  // reconnect backoff
+  }
+}
+
+std::shared_ptr<const MoeClient::MapState> MoeClient::map_state() const {
+  absl::MutexLock lock(&mu_);
+  return state_;
+}
+
+v1::ClusterMap MoeClient::cluster_map() const {
+  std::shared_ptr<const MapState> s = map_state();
+  return s ? s->map : v1::ClusterMap();
+}
+
+v1::ExpertShard::Stub* MoeClient::ShardStub(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  auto& stub = stubs_[address];
+  if (!stub) stub = v1::ExpertShard::NewStub(MakeChannel(address));
+  return stub.get();
+}
+
+absl::Status MoeClient::RouteLogits(const RoutingParams& params, const TensorView& logits,
+                                    HostTensor& topk_ids, HostTensor& topk_weights) {
+  if (logits.rank() != 2) return absl::InvalidArgumentError("logits must be [T, E]");
+  topk_ids = HostTensor(DType::kI32, {logits.dim(0), params.top_k});
+  topk_weights = HostTensor(DType::kF32, {logits.dim(0), params.top_k});
+  return Route(params, logits, topk_ids.view(), topk_weights.view());
+}
+
+absl::StatusOr<ForwardResult> MoeClient::Forward(int layer, const TensorView& hidden,
+                                                 const TensorView& topk_ids,
+                                                 const TensorView& topk_weights,
+                                                 const ForwardOptions& options) {
+  const absl::Time deadline =
+      absl::Now() + (options.deadline > absl::ZeroDuration() ? options.deadline
+                                                              : options_.default_deadline);
+  absl::Status last;
+  for (int attempt = 1;; ++attempt) {
+    std::shared_ptr<const MapState> state = map_state();
+    if (!state) return absl::FailedPreconditionError("client has no cluster map");
+    absl::StatusOr<ForwardResult> result =
+        ForwardOnce(*state, layer, hidden, topk_ids, topk_weights, options, deadline);
+    if (result.ok()) {
+      result->attempts = attempt;
+      return result;
+    }
+    last = result.status();
+    if (!Retryable(last) || absl::Now() >= deadline) return last;
+    absl::SleepFor(std::min(absl::Milliseconds(5 * attempt), deadline - absl::Now()));
+    (void)RefreshMap();  // a failed refresh shows up as the next attempt's error
+  }
+}
+
+absl::StatusOr<v1::LoadStats> MoeClient::GetLoadStats(bool refresh) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  v1::GetLoadStatsRequest req;
+  req.set_refresh(refresh);
+  v1::LoadStats stats;
+  grpc::Status s = coordinator_->GetLoadStats(&ctx, req, &stats);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return stats;
+}
+
+}  // namespace moe

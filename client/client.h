@@ -1,0 +1,112 @@
+// MoeClient: the frontend's side of moe-serve. It keeps the cluster map (fetched from the
+// coordinator and kept current by a watch), optionally routes router logits, plans which shard
+// gets which tokens with the same EPLB replica choice as the shards, calls the shards in parallel,
+// and sums their partial outputs per token. Stale map versions and unavailable shards are retried
+// on a refreshed map within the caller's deadline.
+//
+// Thread-safety: Forward may be called from many threads at once. Ownership: the client owns its
+// channels and the watch thread; tensors passed in are borrowed for the duration of a call.
+#ifndef MOE_CLIENT_CLIENT_H_
+#define MOE_CLIENT_CLIENT_H_
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kernels/eplb.h"
+#include "kernels/routing.h"
+#include "kernels/tensor.h"
+#include "moe/v1/coordinator.grpc.pb.h"
+#include "moe/v1/shard.grpc.pb.h"
+
+namespace moe {
+
+struct ClientOptions {
+  std::string coordinator;  // host:port
+  absl::Duration default_deadline = absl::Seconds(30);
+  // Keep the map current through WatchClusterMap (otherwise refresh only on stale-version errors).
+  bool watch_map = true;
+};
+
+struct ForwardOptions {
+  // F32 or BF16 output on the wire (the result is always returned as F32).
+  DType wire_output_dtype = DType::kF32;
+  // Hidden states sent as F32 or BF16 (converted from the F32 input).
+  DType wire_hidden_dtype = DType::kBF16;
+  TensorView is_padding;  // optional BOOL [T]
+  // Mark each token for exactly one shard to add the shared-expert output.
+  bool shared_experts = false;
+  absl::Duration deadline = absl::ZeroDuration();  // 0: ClientOptions::default_deadline
+};
+
+struct ForwardResult {
+  HostTensor output;  // F32 [T, H]
+  uint64_t map_version = 0;
+  int shards_called = 0;
+  int attempts = 0;
+};
+
+class MoeClient {
+ public:
+  // Connects and waits (up to `wait`) until the coordinator has published a map whose shards are
+  // all ready.
+  static absl::StatusOr<std::unique_ptr<MoeClient>> Connect(ClientOptions options,
+                                                            absl::Duration wait);
+  ~MoeClient();
+
+  // Modular path: hidden F32 [T, H], topk_ids I32 [T, K] (logical), topk_weights F32 [T, K].
+  absl::StatusOr<ForwardResult> Forward(int layer, const TensorView& hidden,
+                                        const TensorView& topk_ids,
+                                        const TensorView& topk_weights,
+                                        const ForwardOptions& options = {});
+
+  // Routing helper (same library function the shards use on the monolithic path).
+  static absl::Status RouteLogits(const RoutingParams& params, const TensorView& logits,
+                                  HostTensor& topk_ids, HostTensor& topk_weights);
+
+  v1::ClusterMap cluster_map() const;
+  // Fetches the map now (used after a stale-version answer).
+  absl::Status RefreshMap();
+  absl::StatusOr<v1::LoadStats> GetLoadStats(bool refresh);
+
+ private:
+  struct MapState {
+    v1::ClusterMap map;
+    std::vector<LayerPlacement> layers;
+  };
+  struct ShardCall;
+
+  explicit MoeClient(ClientOptions options);
+  absl::Status InstallMap(const v1::ClusterMap& map);
+  std::shared_ptr<const MapState> map_state() const;
+  v1::ExpertShard::Stub* ShardStub(const std::string& address);
+  absl::StatusOr<ForwardResult> ForwardOnce(const MapState& state, int layer,
+                                            const TensorView& hidden, const TensorView& topk_ids,
+                                            const TensorView& topk_weights,
+                                            const ForwardOptions& options, absl::Time deadline);
+  void WatchLoop();
+
+  const ClientOptions options_;
+  std::unique_ptr<v1::Coordinator::Stub> coordinator_;
+  mutable absl::Mutex mu_;
+  std::shared_ptr<const MapState> state_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::unique_ptr<v1::ExpertShard::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> stopping_{false};
+  std::unique_ptr<grpc::ClientContext> watch_ctx_ ABSL_GUARDED_BY(mu_);
+  std::thread watcher_;
+};
+
+// Channel arguments shared by every moe-serve client: message limits raised to 256 MiB.
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);
+
+}  // namespace moe
+
+#endif  // MOE_CLIENT_CLIENT_H_

@@ -1,0 +1,34 @@
+// Dispatch planning: which shard (rank) receives which tokens of a batch, using the same EPLB
+// replica choice (LayerPlacement::MapToPhysical with the token's batch index) as the shards, so a
+// token whose routes all land on one shard crosses the wire once. Pure: thread-safe.
+#ifndef MOE_CLIENT_DISPATCH_H_
+#define MOE_CLIENT_DISPATCH_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "kernels/eplb.h"
+#include "kernels/tensor.h"
+
+namespace moe {
+
+struct DispatchPlan {
+  // Ascending token rows sent to each rank (a token appears under every rank hosting one of its
+  // routes, and under its shared-expert rank).
+  std::vector<std::vector<int64_t>> tokens_by_rank;
+  // [T]: the one rank that adds the shared-expert output for each token (-1 when not requested
+  // or padded): the rank of the token's first valid route, else rank 0.
+  std::vector<int32_t> shared_rank;
+};
+
+// topk_ids I32 [T, K] logical ids; is_padding optional BOOL [T]; slot_to_rank [P].
+absl::StatusOr<DispatchPlan> PlanDispatch(const LayerPlacement& placement,
+                                          absl::Span<const uint32_t> slot_to_rank, int num_ranks,
+                                          const TensorView& topk_ids, const TensorView& is_padding,
+                                          bool shared_experts);
+
+}  // namespace moe
+
+#endif  // MOE_CLIENT_DISPATCH_H_

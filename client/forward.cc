@@ -1,0 +1,166 @@
+// MoeClient::ForwardOnce: one attempt of a dispatched forward under one map version.
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/blocking_counter.h"
+#include "client/client.h"
+#include "client/dispatch.h"
+#include "grpcpp/grpcpp.h"
+#include "kernels/formats.h"
+#include "server/common/status.h"
+#include "server/common/wire.h"
+
+namespace moe {
+namespace {
+
+void SetTensor(v1::Tensor* t, DType dtype, std::initializer_list<int64_t> shape, std::string bytes) {
+  t->set_dtype(ToWireDType(dtype));
+  t->clear_shape();
+  for (int64_t d : shape) t->add_shape(d);
+  *t->mutable_data() = std::move(bytes);
+}
+
+// Rows `rows` of a row-major [T, C] tensor, concatenated.
+std::string Rows(const TensorView& src, const std::vector<int64_t>& rows) {
+  const int64_t row_bytes = src.dim(0) > 0 ? src.NumBytes() / src.dim(0) : 0;
+  std::string out(rows.size() * row_bytes, '\0');
+  for (size_t i = 0; i < rows.size(); ++i) {
+    std::memcpy(out.data() + i * row_bytes,
+                static_cast<const char*>(src.data) + rows[i] * row_bytes, row_bytes);
+  }
+  return out;
+}
+
+std::string HiddenRows(const TensorView& hidden, const std::vector<int64_t>& rows, DType dtype) {
+  if (dtype == DType::kF32) return Rows(hidden, rows);
+  const int64_t h = hidden.dim(1);
+  std::string out(rows.size() * h * sizeof(uint16_t), '\0');
+  auto* dst = reinterpret_cast<uint16_t*>(out.data());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const float* src = hidden.As<const float>() + rows[i] * h;
+    for (int64_t j = 0; j < h; ++j) dst[i * h + j] = FloatToBf16(src[j]);
+  }
+  return out;
+}
+
+// Adds a shard's [n, H] output (F32 or BF16) into the rows it answers for.
+absl::Status Accumulate(const v1::Tensor& wire, const std::vector<int64_t>& rows, int64_t h,
+                        float* out) {
+  absl::StatusOr<TensorView> view = ViewOf(wire, "output");
+  if (!view.ok()) return view.status();
+  const int64_t n = static_cast<int64_t>(rows.size());
+  if (absl::Status s = CheckTensorOneOf(*view, "output", {DType::kF32, DType::kBF16}, {n, h});
+      !s.ok()) {
+    return s;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    float* dst = out + rows[i] * h;
+    for (int64_t j = 0; j < h; ++j) {
+      dst[j] += view->dtype == DType::kF32 ? view->As<const float>()[i * h + j]
+                                           : Bf16ToFloat(view->As<const uint16_t>()[i * h + j]);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+struct MoeClient::ShardCall {
+  int rank = 0;
+  std::vector<int64_t> tokens;  // rows of the caller's batch
+  grpc::ClientContext ctx;
+  v1::ForwardRequest request;
+  v1::ForwardResponse response;
+  grpc::Status status;
+};
+
+absl::StatusOr<ForwardResult> MoeClient::ForwardOnce(const MapState& state, int layer,
+                                                     const TensorView& hidden,
+                                                     const TensorView& topk_ids,
+                                                     const TensorView& topk_weights,
+                                                     const ForwardOptions& options,
+                                                     absl::Time deadline) {
+  if (layer < 0 || layer >= static_cast<int>(state.layers.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " outside [0, ",
+                                                   state.layers.size(), ")"));
+  }
+  if (absl::Status s = CheckTensor(hidden, "hidden", DType::kF32, {kAnyDim, kAnyDim}); !s.ok()) {
+    return s;
+  }
+  const int64_t t_count = hidden.dim(0), h = hidden.dim(1);
+  if (absl::Status s = CheckTensor(topk_weights, "topk_weights", DType::kF32,
+                                   {t_count, topk_ids.rank() == 2 ? topk_ids.dim(1) : kAnyDim});
+      !s.ok()) {
+    return s;
+  }
+  const v1::ClusterMap& map = state.map;
+  absl::StatusOr<DispatchPlan> plan = PlanDispatch(
+      state.layers[layer], absl::MakeConstSpan(map.slot_to_rank().data(), map.slot_to_rank_size()),
+      map.shards_size(), topk_ids, options.is_padding, options.shared_experts);
+  if (!plan.ok()) return plan.status();
+  const int64_t k = topk_ids.dim(1);
+  std::vector<std::unique_ptr<ShardCall>> calls;
+  for (int rank = 0; rank < map.shards_size(); ++rank) {
+    std::vector<int64_t>& rows = plan->tokens_by_rank[rank];
+    if (rows.empty()) continue;
+    auto call = std::make_unique<ShardCall>();
+    call->rank = rank;
+    call->tokens = std::move(rows);
+    const int64_t n = static_cast<int64_t>(call->tokens.size());
+    v1::ForwardRequest& req = call->request;
+    req.set_model_fingerprint(map.model().fingerprint());
+    req.set_layer(layer);
+    req.set_map_version(map.version());
+    req.set_output_dtype(ToWireDType(options.wire_output_dtype));
+    req.mutable_hidden_states()->set_format(options.wire_hidden_dtype == DType::kF32
+                                                ? v1::ACTIVATION_F32
+                                                : v1::ACTIVATION_BF16);
+    SetTensor(req.mutable_hidden_states()->mutable_data(), options.wire_hidden_dtype, {n, h},
+              HiddenRows(hidden, call->tokens, options.wire_hidden_dtype));
+    SetTensor(req.mutable_topk_ids(), DType::kI32, {n, k}, Rows(topk_ids, call->tokens));
+    SetTensor(req.mutable_topk_weights(), DType::kF32, {n, k}, Rows(topk_weights, call->tokens));
+    std::string indices(n * sizeof(int64_t), '\0');
+    std::memcpy(indices.data(), call->tokens.data(), indices.size());
+    SetTensor(req.mutable_token_indices(), DType::kI64, {n}, std::move(indices));
+    if (options.is_padding.present()) {
+      SetTensor(req.mutable_is_padding(), DType::kBool, {n}, Rows(options.is_padding, call->tokens));
+    }
+    if (options.shared_experts) {
+      std::string mask(n, '\0');
+      for (int64_t i = 0; i < n; ++i) mask[i] = plan->shared_rank[call->tokens[i]] == rank;
+      SetTensor(req.mutable_shared_mask(), DType::kBool, {n}, std::move(mask));
+    }
+    call->ctx.set_deadline(absl::ToChronoTime(deadline));
+    calls.push_back(std::move(call));
+  }
+  absl::BlockingCounter pending(static_cast<int>(calls.size()));
+  for (auto& call : calls) {
+    ShardStub(map.shards(call->rank).address())
+        ->async()
+        ->Forward(&call->ctx, &call->request, &call->response, [&pending, c = call.get()](grpc::Status s) {
+          c->status = std::move(s);
+          pending.DecrementCount();
+        });
+  }
+  pending.Wait();
+  ForwardResult result;
+  result.output = HostTensor(DType::kF32, {t_count, h});
+  result.map_version = map.version();
+  result.shards_called = static_cast<int>(calls.size());
+  for (auto& call : calls) {
+    if (!call->status.ok()) {
+      absl::Status s = FromGrpcStatus(call->status);
+      return absl::Status(s.code(), absl::StrCat("shard ", call->rank, " (",
+                                                 map.shards(call->rank).address(), "): ",
+                                                 s.message()));
+    }
+    if (absl::Status s = Accumulate(call->response.output(), call->tokens, h,
+                                    result.output.data<float>());
+        !s.ok()) {
+      return s;
+    }
+  }
+  return result;
+}
+
+}  // namespace moe

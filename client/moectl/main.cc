@@ -1,0 +1,191 @@
+// moectl: the operator's and developer's command line for moe-serve.
+#include <iostream>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
+#include "client/moectl/tables.h"
+#include "client/moectl/workload.h"
+#include "grpcpp/grpcpp.h"
+#include "kernels/activation.h"
+#include "server/common/status.h"
+#include "server/model/generator.h"
+
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator host:port");
+ABSL_FLAG(std::string, shard, "", "shard host:port (info)");
+ABSL_FLAG(std::string, model, "", "checkpoint directory (workload, forward --verify)");
+ABSL_FLAG(std::string, out, "", "gen-model: output directory");
+ABSL_FLAG(std::string, format, "mxfp4", "gen-model: mxfp4 (gpt-oss layout) | nvfp4 (ModelOpt)");
+ABSL_FLAG(int64_t, layers, 4, "gen-model: MoE layers");
+ABSL_FLAG(int64_t, experts, 16, "gen-model: routed experts per layer");
+ABSL_FLAG(int64_t, top_k, 4, "gen-model: experts per token");
+ABSL_FLAG(int64_t, hidden, 512, "gen-model: hidden size H");
+ABSL_FLAG(int64_t, intermediate, 256, "gen-model: expert intermediate size I");
+ABSL_FLAG(int64_t, files, 2, "gen-model: safetensors files (more than 1 writes an index)");
+ABSL_FLAG(std::string, activation, "", "gen-model: activation override (silu, swigluoai, ...)");
+ABSL_FLAG(int64_t, shared_experts, 0, "gen-model: shared experts (nvfp4 only)");
+ABSL_FLAG(uint64_t, seed, 1, "random seed (gen-model, forward, workload)");
+ABSL_FLAG(int, steps, 200, "workload: forwards in total");
+ABSL_FLAG(int, tokens, 16, "workload/forward: tokens per forward");
+ABSL_FLAG(int, clients, 2, "workload: concurrent client threads");
+ABSL_FLAG(double, skew, 1.2, "workload: Zipf-like routing skew (0 = the router's own)");
+ABSL_FLAG(int, layer, 0, "forward: layer");
+ABSL_FLAG(bool, refresh, true, "load: collect the shards' pending load first");
+
+namespace moe {
+namespace {
+
+constexpr char kUsage[] =
+    "moectl COMMAND [--flags]\n\n"
+    "Commands:\n"
+    "  gen-model --out DIR [--format mxfp4|nvfp4 --layers --experts --top_k --hidden\n"
+    "            --intermediate --files --activation --shared_experts --seed]\n"
+    "                      write a synthetic checkpoint (gpt-oss MXFP4 or ModelOpt NVFP4 layout)\n"
+    "  map       [--coordinator]            show the cluster map\n"
+    "  load      [--coordinator]            per-layer expert-load table\n"
+    "  info      --shard HOST:PORT          describe one shard\n"
+    "  forward   [--coordinator --layer --tokens --seed]\n"
+    "                      send one random routed batch through the cluster, print a summary\n"
+    "  workload  --model DIR [--coordinator --steps --tokens --clients --skew --seed]\n"
+    "                      routed forwards over all layers, verified against the CPU reference\n";
+
+int Fail(const absl::Status& s) {
+  std::cerr << "moectl: " << s << "\n";
+  return 1;
+}
+
+int GenModel() {
+  model::GenerateOptions g;
+  const std::string format = absl::GetFlag(FLAGS_format);
+  if (format != "mxfp4" && format != "nvfp4") {
+    return Fail(absl::InvalidArgumentError("--format must be mxfp4 or nvfp4"));
+  }
+  g.format = format == "mxfp4" ? WeightFormat::kMxfp4 : WeightFormat::kNvfp4;
+  g.layers = absl::GetFlag(FLAGS_layers);
+  g.experts = absl::GetFlag(FLAGS_experts);
+  g.top_k = absl::GetFlag(FLAGS_top_k);
+  g.hidden = absl::GetFlag(FLAGS_hidden);
+  g.intermediate = absl::GetFlag(FLAGS_intermediate);
+  g.files = absl::GetFlag(FLAGS_files);
+  g.seed = absl::GetFlag(FLAGS_seed);
+  g.activation = absl::GetFlag(FLAGS_activation);
+  g.n_shared_experts = absl::GetFlag(FLAGS_shared_experts);
+  const std::string dir = absl::GetFlag(FLAGS_out);
+  if (dir.empty()) return Fail(absl::InvalidArgumentError("gen-model needs --out DIR"));
+  if (absl::Status s = model::GenerateModel(g, dir); !s.ok()) return Fail(s);
+  std::cout << "wrote " << format << " model to " << dir << ": " << g.layers << " layers, "
+            << g.experts << " experts, top-" << g.top_k << ", H=" << g.hidden
+            << ", I=" << g.intermediate << "\n";
+  return 0;
+}
+
+absl::StatusOr<std::unique_ptr<MoeClient>> Connect() {
+  ClientOptions o;
+  o.coordinator = absl::GetFlag(FLAGS_coordinator);
+  o.watch_map = false;
+  return MoeClient::Connect(o, absl::Seconds(10));
+}
+
+int Map() {
+  absl::StatusOr<std::unique_ptr<MoeClient>> c = Connect();
+  if (!c.ok()) return Fail(c.status());
+  std::cout << FormatClusterMap((*c)->cluster_map());
+  return 0;
+}
+
+int Load() {
+  absl::StatusOr<std::unique_ptr<MoeClient>> c = Connect();
+  if (!c.ok()) return Fail(c.status());
+  absl::StatusOr<v1::LoadStats> stats = (*c)->GetLoadStats(absl::GetFlag(FLAGS_refresh));
+  if (!stats.ok()) return Fail(stats.status());
+  std::cout << FormatLoadTable(*stats);
+  return 0;
+}
+
+int Info() {
+  const std::string addr = absl::GetFlag(FLAGS_shard);
+  if (addr.empty()) return Fail(absl::InvalidArgumentError("info needs --shard HOST:PORT"));
+  auto stub = v1::ExpertShard::NewStub(MakeChannel(addr));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  v1::ShardInfo info;
+  grpc::Status s = stub->GetInfo(&ctx, v1::GetInfoRequest(), &info);
+  if (!s.ok()) return Fail(FromGrpcStatus(s));
+  std::cout << FormatShardInfo(info);
+  return 0;
+}
+
+int Forward() {
+  absl::StatusOr<std::unique_ptr<MoeClient>> c = Connect();
+  if (!c.ok()) return Fail(c.status());
+  const v1::ClusterMap map = (*c)->cluster_map();
+  const int64_t t_count = absl::GetFlag(FLAGS_tokens), h = map.model().hidden_size();
+  const int64_t e = map.model().num_experts(), k = map.model().top_k();
+  std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
+  std::normal_distribution<float> normal;
+  HostTensor x(DType::kF32, {t_count, h}), logits(DType::kF32, {t_count, e}), ids, weights;
+  for (int64_t i = 0; i < x.NumElements(); ++i) x.data<float>()[i] = normal(rng);
+  for (int64_t i = 0; i < logits.NumElements(); ++i) logits.data<float>()[i] = normal(rng);
+  RoutingParams rp;
+  rp.method = RoutingMethod::kRenormalize;
+  rp.top_k = static_cast<int32_t>(k);
+  if (absl::Status s = MoeClient::RouteLogits(rp, logits.view(), ids, weights); !s.ok()) {
+    return Fail(s);
+  }
+  const absl::Time start = absl::Now();
+  absl::StatusOr<ForwardResult> r =
+      (*c)->Forward(absl::GetFlag(FLAGS_layer), x.view(), ids.view(), weights.view());
+  if (!r.ok()) return Fail(r.status());
+  double norm = 0;
+  for (int64_t i = 0; i < r->output.NumElements(); ++i) {
+    norm += static_cast<double>(r->output.data<float>()[i]) * r->output.data<float>()[i];
+  }
+  std::cout << "forward layer " << absl::GetFlag(FLAGS_layer) << ": " << t_count << " tokens, "
+            << r->shards_called << " shards, map version " << r->map_version << ", "
+            << absl::ToDoubleMicroseconds(absl::Now() - start) << " us, output L2 norm "
+            << std::sqrt(norm) << "\n";
+  return 0;
+}
+
+int Workload() {
+  WorkloadOptions o;
+  o.coordinator = absl::GetFlag(FLAGS_coordinator);
+  o.model_dir = absl::GetFlag(FLAGS_model);
+  o.steps = absl::GetFlag(FLAGS_steps);
+  o.tokens = absl::GetFlag(FLAGS_tokens);
+  o.clients = absl::GetFlag(FLAGS_clients);
+  o.skew = absl::GetFlag(FLAGS_skew);
+  o.seed = absl::GetFlag(FLAGS_seed);
+  if (o.model_dir.empty()) return Fail(absl::InvalidArgumentError("workload needs --model DIR"));
+  absl::StatusOr<WorkloadReport> r = RunWorkload(o, std::cout);
+  if (!r.ok()) return Fail(r.status());
+  return 0;
+}
+
+}  // namespace
+}  // namespace moe
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(moe::kUsage);
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (args.size() != 2) {
+    std::cerr << moe::kUsage;
+    return 2;
+  }
+  const std::string cmd = args[1];
+  if (cmd == "gen-model") return moe::GenModel();
+  if (cmd == "map") return moe::Map();
+  if (cmd == "load") return moe::Load();
+  if (cmd == "info") return moe::Info();
+  if (cmd == "forward") return moe::Forward();
+  if (cmd == "workload") return moe::Workload();
+  std::cerr << "moectl: unknown command '" << cmd << "'\n\n" << moe::kUsage;
+  return 2;
+}

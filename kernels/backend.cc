@@ -1,0 +1,29 @@
+#include "kernels/backend.h"
+
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/reference_backend.h"
+#include "kernels/cuda/device.h"
+
+namespace moe {
+
+absl::StatusOr<std::unique_ptr<ExpertBackend>> CreateBackend(absl::string_view name) {
+  std::string why;
+  if (name == "cpu" || name == "cpu-reference") return MakeCpuReferenceBackend();
+  if (name == "auto") {
+    if (cuda::DeviceCount(&why) > 0) return CreateBackend("cuda");
+    return MakeCpuReferenceBackend();
+  }
+  if (name == "cuda") {
+    if (cuda::DeviceCount(&why) == 0) {
+      return absl::FailedPreconditionError(absl::StrCat("--backend=cuda: ", why));
+    }
+    return absl::UnimplementedError(
+        "--backend=cuda: the CUDA expert kernels are not in this build yet; use --backend=cpu");
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown backend '", name, "' (expected auto, cpu, cpu-reference or cuda)"));
+}
+
+}  // namespace moe

@@ -1,0 +1,49 @@
+// The expert-execution backend interface and its factory: the seam between the shard service and
+// the compute backends (CPU reference, optimized CPU, CUDA). The service never sees which one runs.
+//
+// Called by the shard's executor (one batch at a time per backend instance) and by benchmarks.
+// Thread-safety: a backend instance is used by one thread at a time; create one per executor.
+// Ownership: the backend never owns the layer weights; PrepareLayer may keep derived copies
+// (repacked or device-resident) that it owns.
+#ifndef MOE_KERNELS_BACKEND_H_
+#define MOE_KERNELS_BACKEND_H_
+
+#include <memory>
+#include <string>
+#include "absl/strings/string_view.h"
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/experts.h"
+
+namespace moe {
+
+class ExpertBackend {
+ public:
+  virtual ~ExpertBackend() = default;
+
+  // "cpu-reference", "cpu", "cuda".
+  virtual absl::string_view name() const = 0;
+  // Human-readable device ("2-core x86-64 (AVX-512)", "NVIDIA H200 ...").
+  virtual std::string device() const = 0;
+
+  // FAILED_PRECONDITION naming the missing combination when this backend cannot run `layer`.
+  [[nodiscard]] virtual absl::Status CheckSupported(const ExpertLayer& layer) const = 0;
+
+  // Called once per (layer index, layer) after the weights are loaded or replaced; the layer must
+  // stay alive and unchanged until the next PrepareLayer for the same index.
+  [[nodiscard]] virtual absl::Status PrepareLayer(int layer_index, const ExpertLayer& layer) = 0;
+
+  // Runs one staged batch. REQUIRES: PrepareLayer(layer_index, layer) succeeded.
+  [[nodiscard]] virtual absl::Status Run(int layer_index, const ExpertLayer& layer,
+                                         const ExpertsRequest& request) = 0;
+};
+
+// name: "auto" (CUDA when a device is present and the binary has CUDA, else CPU), "cpu",
+// "cpu-reference", "cuda". INVALID_ARGUMENT for an unknown name; FAILED_PRECONDITION for "cuda"
+// without a device, with the reason.
+absl::StatusOr<std::unique_ptr<ExpertBackend>> CreateBackend(absl::string_view name);
+
+}  // namespace moe
+
+#endif  // MOE_KERNELS_BACKEND_H_

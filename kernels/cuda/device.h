@@ -1,0 +1,22 @@
+// CUDA device discovery for backend selection. No CUDA headers here, so host code that only needs
+// to know whether a GPU exists can include it. Thread-safe (the CUDA runtime is).
+#ifndef MOE_KERNELS_CUDA_DEVICE_H_
+#define MOE_KERNELS_CUDA_DEVICE_H_
+
+#include <string>
+
+namespace moe::cuda {
+
+// True when this binary was built with CUDA support (not --config=nocuda).
+bool BuiltWithCuda();
+
+// Number of usable CUDA devices; 0 with `*why` set ("no CUDA device", "built without CUDA", or
+// the driver's message) when there is none.
+int DeviceCount(std::string* why);
+
+// "NVIDIA H200 (sm_90, 132 SMs, 139 GiB)" for device `ordinal`, or the error text.
+std::string DeviceDescription(int ordinal);
+
+}  // namespace moe::cuda
+
+#endif  // MOE_KERNELS_CUDA_DEVICE_H_

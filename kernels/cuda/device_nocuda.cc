@@ -1,0 +1,17 @@
+// Device discovery for builds without CUDA (--config=nocuda).
+#include <string>
+
+#include "kernels/cuda/device.h"
+
+namespace moe::cuda {
+
+bool BuiltWithCuda() { return false; }
+
+int DeviceCount(std::string* why) {
+  if (why != nullptr) *why = "built without CUDA (--config=nocuda)";
+  return 0;
+}
+
+std::string DeviceDescription(int) { return "built without CUDA"; }
+
+}  // namespace moe::cuda

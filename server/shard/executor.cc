@@ -1,0 +1,164 @@
+#include "server/shard/executor.h"
+
+#include <cstring>
+#include <utility>
+
+#include "absl/time/clock.h"
+
+namespace moe {
+namespace {
+
+bool SameBatch(const WorkItem& a, const WorkItem& b) {
+  return a.layer == b.layer && a.layer_index == b.layer_index &&
+         a.local_ids.dim(1) == b.local_ids.dim(1) &&
+         a.shared_mask.present() == b.shared_mask.present();
+}
+
+// Concatenates the rows of `part` views into `dst` (same dtype and trailing dims).
+void CopyRows(const std::vector<const TensorView*>& parts, HostTensor& dst) {
+  auto* out = dst.data<std::byte>();
+  for (const TensorView* v : parts) {
+    std::memcpy(out, v->data, v->NumBytes());
+    out += v->NumBytes();
+  }
+}
+
+ExecutorStats Minus(const ExecutorStats& a, const ExecutorStats& b) {
+  ExecutorStats d;
+  d.requests = a.requests - b.requests;
+  d.tokens = a.tokens - b.tokens;
+  d.batches = a.batches - b.batches;
+  d.merged_batches = a.merged_batches - b.merged_batches;
+  d.max_batch_tokens = a.max_batch_tokens;
+  d.errors = a.errors - b.errors;
+  d.compute_seconds = a.compute_seconds - b.compute_seconds;
+  return d;
+}
+
+}  // namespace
+
+Executor::Executor(ExpertBackend* backend, ExecutorOptions options)
+    : backend_(backend), options_(options), worker_([this] { WorkerLoop(); }) {}
+
+Executor::~Executor() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  worker_.join();
+}
+
+absl::Status Executor::Run(const WorkItem& item) {
+  Pending pending{&item};
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return absl::UnavailableError("shard executor is shutting down");
+  queue_.push_back(&pending);
+  mu_.Await(absl::Condition(+[](Pending* p) { return p->done; }, &pending));
+  return pending.status;
+}
+
+std::vector<Executor::Pending*> Executor::TakeBatch() {
+  std::vector<Pending*> batch{queue_.front()};
+  queue_.pop_front();
+  int64_t tokens = batch[0]->item->hidden.dim(0);
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    const WorkItem& w = *(*it)->item;
+    if (SameBatch(*batch[0]->item, w) && tokens + w.hidden.dim(0) <= options_.max_batch_tokens) {
+      tokens += w.hidden.dim(0);
+      batch.push_back(*it);
+      it = queue_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return batch;
+}
+
+void Executor::WorkerLoop() {
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    mu_.Await(absl::Condition(
+        +[](Executor* e) ABSL_NO_THREAD_SAFETY_ANALYSIS { return e->stopping_ || !e->queue_.empty(); },
+        this));
+    if (queue_.empty()) return;  // stopping with nothing left
+    if (options_.max_batch_wait > absl::ZeroDuration() && queue_.size() == 1) {
+      mu_.AwaitWithTimeout(
+          absl::Condition(
+              +[](Executor* e) ABSL_NO_THREAD_SAFETY_ANALYSIS { return e->queue_.size() > 1; },
+              this),
+          options_.max_batch_wait);
+    }
+    std::vector<Pending*> batch = TakeBatch();
+    mu_.Unlock();
+    const absl::Time start = absl::Now();
+    absl::Status status = RunBatch(batch);
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    mu_.Lock();
+    uint64_t tokens = 0;
+    for (Pending* p : batch) {
+      tokens += p->item->hidden.dim(0);
+      p->status = status;
+      p->done = true;
+    }
+    stats_.requests += batch.size();
+    stats_.tokens += tokens;
+    stats_.batches += 1;
+    stats_.merged_batches += batch.size() > 1 ? 1 : 0;
+    stats_.max_batch_tokens = std::max<uint64_t>(stats_.max_batch_tokens, tokens);
+    stats_.errors += status.ok() ? 0 : batch.size();
+    stats_.compute_seconds += seconds;
+  }
+}
+
+absl::Status Executor::RunBatch(const std::vector<Pending*>& batch) {
+  const WorkItem& first = *batch[0]->item;
+  if (batch.size() == 1) {
+    return backend_->Run(first.layer_index, *first.layer,
+                         ExpertsRequest{first.hidden, first.local_ids, first.topk_weights,
+                                        first.shared_mask, first.out});
+  }
+  int64_t tokens = 0;
+  std::vector<const TensorView*> hidden, ids, weights, mask;
+  for (Pending* p : batch) {
+    tokens += p->item->hidden.dim(0);
+    hidden.push_back(&p->item->hidden);
+    ids.push_back(&p->item->local_ids);
+    weights.push_back(&p->item->topk_weights);
+    mask.push_back(&p->item->shared_mask);
+  }
+  const int64_t h = first.hidden.dim(1), k = first.local_ids.dim(1);
+  HostTensor all_hidden(DType::kF32, {tokens, h}), all_ids(DType::kI32, {tokens, k}),
+      all_weights(DType::kF32, {tokens, k}), all_out(DType::kF32, {tokens, h}), all_mask;
+  CopyRows(hidden, all_hidden);
+  CopyRows(ids, all_ids);
+  CopyRows(weights, all_weights);
+  if (first.shared_mask.present()) {
+    all_mask = HostTensor(DType::kBool, {tokens});
+    CopyRows(mask, all_mask);
+  }
+  absl::Status status = backend_->Run(
+      first.layer_index, *first.layer,
+      ExpertsRequest{all_hidden.view(), all_ids.view(), all_weights.view(),
+                     first.shared_mask.present() ? all_mask.view() : TensorView{}, all_out.view()});
+  if (!status.ok()) return status;
+  const auto* src = all_out.data<std::byte>();
+  for (Pending* p : batch) {
+    std::memcpy(p->item->out.data, src, p->item->out.NumBytes());
+    src += p->item->out.NumBytes();
+  }
+  return absl::OkStatus();
+}
+
+ExecutorStats Executor::stats() const {
+  absl::MutexLock lock(&mu_);
+  return stats_;
+}
+
+ExecutorStats Executor::TakeStatsDelta() {
+  absl::MutexLock lock(&mu_);
+  ExecutorStats delta = Minus(stats_, taken_);
+  taken_ = stats_;
+  return delta;
+}
+
+}  // namespace moe

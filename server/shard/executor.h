@@ -1,0 +1,92 @@
+// The shard's batch executor: requests of the same layer (and the same weight snapshot) that are
+// queued together are merged into one batch, bounded by a token budget and an optional wait, and
+// run through the backend by one worker thread; each caller gets its own rows back.
+//
+// Called by the service's RPC threads (Run blocks until the caller's batch has run).
+// Thread-safety: Run may be called from any number of threads. Ownership: the executor borrows the
+// backend; each WorkItem's tensors belong to the caller and must stay alive until Run returns.
+#ifndef MOE_SERVER_SHARD_EXECUTOR_H_
+#define MOE_SERVER_SHARD_EXECUTOR_H_
+
+#include <cstdint>
+#include <deque>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kernels/backend.h"
+#include "kernels/tensor.h"
+
+namespace moe {
+
+struct ExecutorOptions {
+  // Upper bound on tokens merged into one batch (a single larger request still runs alone).
+  int64_t max_batch_tokens = 8192;
+  // How long the worker may wait for more requests of the same layer before running a batch
+  // that is under budget. 0: merge only what is already queued (no added latency).
+  absl::Duration max_batch_wait = absl::ZeroDuration();
+};
+
+struct ExecutorStats {
+  uint64_t requests = 0;
+  uint64_t tokens = 0;
+  uint64_t batches = 0;
+  uint64_t merged_batches = 0;
+  uint64_t max_batch_tokens = 0;
+  uint64_t errors = 0;
+  double compute_seconds = 0;
+};
+
+// One caller's staged work: F32 hidden [T, H], I32 local ids [T, K], F32 weights [T, K], optional
+// BOOL shared mask [T]; the result goes to `out` (F32 [T, H]).
+struct WorkItem {
+  int layer_index = 0;
+  const ExpertLayer* layer = nullptr;
+  TensorView hidden;
+  TensorView local_ids;
+  TensorView topk_weights;
+  TensorView shared_mask;
+  TensorView out;
+};
+
+class Executor {
+ public:
+  Executor(ExpertBackend* backend, ExecutorOptions options);
+  ~Executor();  // finishes queued work, then stops the worker
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  // Runs `item` (possibly merged with others) and returns its status.
+  [[nodiscard]] absl::Status Run(const WorkItem& item);
+
+  ExecutorStats stats() const;
+  // Stats since the previous call (for load deltas).
+  ExecutorStats TakeStatsDelta();
+
+ private:
+  struct Pending {
+    const WorkItem* item;
+    absl::Status status;
+    bool done = false;
+  };
+
+  void WorkerLoop();
+  // Pops the front request and every queued request that can share its batch.
+  std::vector<Pending*> TakeBatch() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status RunBatch(const std::vector<Pending*>& batch);
+
+  ExpertBackend* const backend_;
+  const ExecutorOptions options_;
+  mutable absl::Mutex mu_;
+  std::deque<Pending*> queue_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  ExecutorStats stats_ ABSL_GUARDED_BY(mu_);
+  ExecutorStats taken_ ABSL_GUARDED_BY(mu_);
+  std::thread worker_;
+};
+
+}  // namespace moe
+
+#endif  // MOE_SERVER_SHARD_EXECUTOR_H_

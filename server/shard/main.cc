@@ -1,0 +1,170 @@
+// moe_shard: one expert-shard server (one per GPU, or a CPU shard).
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "glog/logging.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "kernels/backend.h"
+#include "server/shard/coordinator_link.h"
+#include "server/shard/model_source.h"
+#include "server/shard/service.h"
+
+ABSL_FLAG(std::string, model, "", "checkpoint directory: config.json + safetensors (required)");
+ABSL_FLAG(std::string, coordinator, "",
+          "coordinator host:port; empty runs standalone, hosting every expert (map version 1)");
+ABSL_FLAG(std::string, host, "127.0.0.1", "address to listen on");
+ABSL_FLAG(int, port, 0, "port to listen on; 0 picks a free one (see --port_file)");
+ABSL_FLAG(std::string, port_file, "", "write the bound port to this file once serving starts");
+ABSL_FLAG(std::string, backend, "auto", "auto | cpu | cpu-reference | cuda");
+ABSL_FLAG(int, rank, -1, "rank to request from the coordinator; -1 takes any free rank");
+ABSL_FLAG(int64_t, max_batch_tokens, 8192, "token budget of one merged executor batch");
+ABSL_FLAG(int, max_batch_wait_us, 0,
+          "how long the executor waits for more requests of the same layer (0: merge only what "
+          "is already queued)");
+ABSL_FLAG(int, drain_seconds, 10, "on SIGTERM: how long in-flight calls may take to finish");
+ABSL_FLAG(int, register_wait_seconds, 60, "how long to keep trying to reach the coordinator");
+
+namespace moe {
+namespace {
+
+struct ShardOptions {
+  std::string model, coordinator, host, port_file, backend;
+  int port = 0, rank = -1, drain_seconds = 10, register_wait_seconds = 60;
+  ExecutorOptions executor;
+};
+
+ShardOptions OptionsFromFlags() {
+  ShardOptions o;
+  o.model = absl::GetFlag(FLAGS_model);
+  o.coordinator = absl::GetFlag(FLAGS_coordinator);
+  o.host = absl::GetFlag(FLAGS_host);
+  o.port = absl::GetFlag(FLAGS_port);
+  o.port_file = absl::GetFlag(FLAGS_port_file);
+  o.backend = absl::GetFlag(FLAGS_backend);
+  o.rank = absl::GetFlag(FLAGS_rank);
+  o.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
+  o.register_wait_seconds = absl::GetFlag(FLAGS_register_wait_seconds);
+  o.executor.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  o.executor.max_batch_wait = absl::Microseconds(absl::GetFlag(FLAGS_max_batch_wait_us));
+  return o;
+}
+
+// Blocks SIGTERM/SIGINT in every thread created after this call so one sigwait sees them.
+sigset_t BlockStopSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  return set;
+}
+
+int Run(const ShardOptions& o) {
+  const sigset_t stop_signals = BlockStopSignals();
+  if (o.model.empty()) {
+    LOG(ERROR) << "--model is required (a directory with config.json and safetensors; "
+                  "`moectl gen-model --out DIR` writes one)";
+    return 2;
+  }
+  absl::StatusOr<std::unique_ptr<ModelWeightSource>> source = ModelWeightSource::Open(o.model);
+  if (!source.ok()) {
+    LOG(ERROR) << "cannot open model " << o.model << ": " << source.status();
+    return 1;
+  }
+  absl::StatusOr<std::unique_ptr<ExpertBackend>> backend = CreateBackend(o.backend);
+  if (!backend.ok()) {
+    LOG(ERROR) << backend.status();
+    return 1;
+  }
+  ExpertShardService service(source->get(), backend->get(), o.executor);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(absl::StrCat(o.host, ":", o.port), grpc::InsecureServerCredentials(),
+                           &port);
+  builder.SetMaxReceiveMessageSize(256 << 20);
+  builder.SetMaxSendMessageSize(256 << 20);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || port == 0) {
+    LOG(ERROR) << "cannot listen on " << o.host << ":" << o.port;
+    return 1;
+  }
+  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  health->SetServingStatus(false);  // NOT_SERVING until weights are loaded
+  const std::string address = absl::StrCat(o.host, ":", port);
+  LOG(INFO) << "moe_shard listening on " << address << " (backend " << (*backend)->name() << ", "
+            << (*backend)->device() << ")";
+  if (!o.port_file.empty()) std::ofstream(o.port_file) << port << "\n";
+
+  const ServedModel& model = (*source)->model();
+  std::unique_ptr<CoordinatorLink> link;
+  if (o.coordinator.empty()) {
+    service.set_identity({"standalone", address});
+    if (absl::Status s = service.Activate(
+            ShardPlacement::Standalone(model.num_layers, model.num_experts, 1));
+        !s.ok()) {
+      LOG(ERROR) << "cannot load weights: " << s;
+      return 1;
+    }
+  } else {
+    v1::RegisterShardRequest reg;
+    reg.set_address(address);
+    reg.set_backend(std::string((*backend)->name()));
+    reg.set_device((*backend)->device());
+    reg.set_requested_rank(o.rank);
+    v1::ModelShape* shape = reg.mutable_model();
+    shape->set_fingerprint(model.fingerprint);
+    shape->set_num_layers(model.num_layers);
+    shape->set_num_experts(model.num_experts);
+    shape->set_top_k(model.top_k);
+    shape->set_hidden_size(static_cast<uint32_t>(model.hidden));
+    shape->set_intermediate_size(static_cast<uint32_t>(model.intermediate));
+    link = std::make_unique<CoordinatorLink>(o.coordinator, reg, &service);
+    if (absl::Status s = link->Start(absl::Seconds(o.register_wait_seconds)); !s.ok()) {
+      LOG(ERROR) << s;
+      return 1;
+    }
+  }
+  // Serving once weights are active; the health status tracks that from a small waiter thread.
+  std::thread ready_watch([&service, health] {
+    while (service.active_version() == 0) absl::SleepFor(absl::Milliseconds(20));
+    health->SetServingStatus(true);
+  });
+  ready_watch.detach();
+
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  LOG(INFO) << "signal " << sig << ": draining";
+  health->SetServingStatus(false);
+  service.StartDraining();
+  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(o.drain_seconds)));
+  if (link) link->Stop();
+  LOG(INFO) << "moe_shard stopped";
+  return 0;
+}
+
+}  // namespace
+}  // namespace moe
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "moe_shard --model DIR [--coordinator HOST:PORT] [--port N] [--backend auto|cpu|cuda]\n"
+      "Serves the expert layers of an MoE model for the slots the coordinator assigns (or every\n"
+      "expert when run without a coordinator).");
+  absl::ParseCommandLine(argc, argv);
+  FLAGS_logtostderr = true;
+  google::InitGoogleLogging(argv[0]);
+  return moe::Run(moe::OptionsFromFlags());
+}

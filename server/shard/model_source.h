@@ -1,0 +1,33 @@
+// WeightSource over a checkpoint directory (server/model): loads, per layer, exactly the experts
+// of the hosted slots. Thread-safety: Load may run concurrently with readers of earlier results.
+#ifndef MOE_SERVER_SHARD_MODEL_SOURCE_H_
+#define MOE_SERVER_SHARD_MODEL_SOURCE_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "server/model/model.h"
+#include "server/shard/weights.h"
+
+namespace moe {
+
+class ModelWeightSource final : public WeightSource {
+ public:
+  static absl::StatusOr<std::unique_ptr<ModelWeightSource>> Open(const std::string& dir);
+
+  const ServedModel& model() const override { return served_; }
+  const model::ExpertModel& expert_model() const { return *model_; }
+  absl::StatusOr<std::shared_ptr<const LoadedWeights>> Load(
+      const ShardPlacement& placement) override;
+
+ private:
+  explicit ModelWeightSource(std::unique_ptr<model::ExpertModel> model);
+
+  std::unique_ptr<model::ExpertModel> model_;
+  ServedModel served_;
+};
+
+}  // namespace moe
+
+#endif  // MOE_SERVER_SHARD_MODEL_SOURCE_H_

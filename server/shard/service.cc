@@ -1,0 +1,199 @@
+#include "server/shard/service.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
+#include "kernels/formats.h"
+#include "server/common/status.h"
+#include "server/common/wire.h"
+#include "server/shard/request.h"
+
+namespace moe {
+namespace {
+
+// F32 [T, H] result -> the requested wire dtype.
+void WriteOutput(const HostTensor& out, DType dtype, v1::Tensor* wire) {
+  if (dtype == DType::kF32) {
+    ToWire(out.view(), wire);
+    return;
+  }
+  const int64_t n = out.NumElements();
+  wire->set_dtype(v1::BF16);
+  wire->clear_shape();
+  for (int64_t d : out.shape()) wire->add_shape(d);
+  std::string* bytes = wire->mutable_data();
+  bytes->resize(n * sizeof(uint16_t));
+  auto* dst = reinterpret_cast<uint16_t*>(bytes->data());
+  const float* src = out.data<float>();
+  for (int64_t i = 0; i < n; ++i) dst[i] = FloatToBf16(src[i]);
+}
+
+}  // namespace
+
+ExpertShardService::ExpertShardService(WeightSource* source, ExpertBackend* backend,
+                                       ExecutorOptions options)
+    : source_(source), backend_(backend), executor_(backend, options) {}
+
+void ExpertShardService::set_identity(ShardIdentity identity) {
+  absl::MutexLock lock(&mu_);
+  identity_ = std::move(identity);
+}
+
+absl::Status ExpertShardService::Activate(std::shared_ptr<const ShardPlacement> placement) {
+  absl::MutexLock serialize(&activate_mu_);
+  const ServedModel& model = source_->model();
+  if (placement->num_layers() != model.num_layers) {
+    return absl::FailedPreconditionError(absl::StrCat("placement has ", placement->num_layers(),
+                                                      " layers, model has ", model.num_layers));
+  }
+  absl::StatusOr<std::shared_ptr<const LoadedWeights>> weights = source_->Load(*placement);
+  if (!weights.ok()) return weights.status();
+  for (int l = 0; l < model.num_layers; ++l) {
+    const ExpertLayer& layer = (*weights)->layer(l);
+    if (absl::Status s = backend_->CheckSupported(layer); !s.ok()) return s;
+    if (absl::Status s = backend_->PrepareLayer(l, layer); !s.ok()) return s;
+  }
+  auto snapshot = std::make_shared<const Snapshot>(Snapshot{placement, *std::move(weights)});
+  load_.Reset(placement->num_layers(), placement->num_physical(), placement->version());
+  absl::MutexLock lock(&mu_);
+  previous_ = std::move(current_);
+  current_ = std::move(snapshot);
+  LOG(INFO) << "map version " << placement->version() << " active: hosting "
+            << placement->hosted_slots().size() << " of " << placement->num_physical()
+            << " slots per layer";
+  return absl::OkStatus();
+}
+
+uint64_t ExpertShardService::active_version() const {
+  absl::MutexLock lock(&mu_);
+  return current_ ? current_->placement->version() : 0;
+}
+
+absl::StatusOr<std::shared_ptr<const ExpertShardService::Snapshot>>
+ExpertShardService::SnapshotFor(uint64_t map_version) const {
+  absl::MutexLock lock(&mu_);
+  if (!current_) return absl::UnavailableError("shard is loading weights; retry");
+  if (map_version == 0 || map_version == current_->placement->version()) return current_;
+  if (previous_ && map_version == previous_->placement->version()) return previous_;
+  return absl::FailedPreconditionError(
+      absl::StrCat("stale map version ", map_version, "; current map version is ",
+                   current_->placement->version()));
+}
+
+absl::Status ExpertShardService::DoForward(const v1::ForwardRequest& request,
+                                           v1::ForwardResponse* response) {
+  if (draining_.load()) return absl::UnavailableError("shard is draining");
+  const ServedModel& model = source_->model();
+  if (!request.model_fingerprint().empty() && request.model_fingerprint() != model.fingerprint) {
+    return absl::FailedPreconditionError(absl::StrCat("wrong model: request is for '",
+                                                      request.model_fingerprint(),
+                                                      "', shard serves '", model.fingerprint, "'"));
+  }
+  absl::StatusOr<std::shared_ptr<const Snapshot>> snapshot = SnapshotFor(request.map_version());
+  if (!snapshot.ok()) return snapshot.status();
+  const ShardPlacement& placement = *(*snapshot)->placement;
+  absl::StatusOr<StagedRequest> staged = StageForwardRequest(request, model, placement);
+  if (!staged.ok()) return staged.status();
+  load_.Record(placement, staged->layer, staged->physical_ids.view());
+  HostTensor out(DType::kF32, {staged->num_tokens, model.hidden});
+  WorkItem item{staged->layer,
+                &(*snapshot)->weights->layer(staged->layer),
+                staged->hidden.view(),
+                staged->local_ids.view(),
+                staged->weights.view(),
+                staged->shared_mask.NumElements() > 0 ? staged->shared_mask.view() : TensorView{},
+                out.view()};
+  if (staged->num_tokens > 0) {
+    if (absl::Status s = executor_.Run(item); !s.ok()) return s;
+  }
+  response->set_request_id(request.request_id());
+  response->set_map_version(placement.version());
+  response->set_batch_tokens(static_cast<uint32_t>(staged->num_tokens));
+  WriteOutput(out, staged->out_dtype, response->mutable_output());
+  if (request.return_routing() && staged->routed_ids.NumElements() > 0) {
+    ToWire(staged->routed_ids.view(), response->mutable_topk_ids());
+    ToWire(staged->routed_weights.view(), response->mutable_topk_weights());
+  }
+  return absl::OkStatus();
+}
+
+grpc::Status ExpertShardService::Forward(grpc::ServerContext*, const v1::ForwardRequest* request,
+                                         v1::ForwardResponse* response) {
+  return ToGrpcStatus(DoForward(*request, response));
+}
+
+grpc::Status ExpertShardService::ForwardStream(
+    grpc::ServerContext*,
+    grpc::ServerReaderWriter<v1::ForwardResponse, v1::ForwardRequest>* stream) {
+  v1::ForwardRequest request;
+  while (stream->Read(&request)) {
+    v1::ForwardResponse response;
+    // A bad request ends the stream with its status; the shard itself keeps serving.
+    if (absl::Status s = DoForward(request, &response); !s.ok()) {
+      return ToGrpcStatus(absl::Status(
+          s.code(), absl::StrCat("request_id ", request.request_id(), ": ", s.message())));
+    }
+    if (!stream->Write(response)) break;
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status ExpertShardService::GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
+                                         v1::ShardInfo* info) {
+  const ServedModel& model = source_->model();
+  info->set_backend(std::string(backend_->name()));
+  info->set_device(backend_->device());
+  info->set_model_fingerprint(model.fingerprint);
+  info->set_num_layers(model.num_layers);
+  info->set_num_experts(model.num_experts);
+  info->set_hidden_size(static_cast<uint32_t>(model.hidden));
+  info->set_intermediate_size(static_cast<uint32_t>(model.intermediate));
+  info->set_top_k(model.top_k);
+  absl::MutexLock lock(&mu_);
+  info->set_shard_id(identity_.shard_id);
+  info->set_address(identity_.address);
+  if (current_) {
+    info->set_weight_format(std::string(WeightFormatName(current_->weights->layer(0).format)));
+    for (int32_t s : current_->placement->hosted_slots()) info->add_hosted_slots(s);
+    info->set_map_version(current_->placement->version());
+    info->set_ready(true);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status ExpertShardService::GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
+                                          v1::ShardStats* out) {
+  const ExecutorStats s = executor_.stats();
+  out->set_requests(s.requests);
+  out->set_tokens(s.tokens);
+  out->set_batches(s.batches);
+  out->set_merged_batches(s.merged_batches);
+  out->set_max_batch_tokens(s.max_batch_tokens);
+  out->set_errors(s.errors);
+  out->set_compute_seconds(s.compute_seconds);
+  return grpc::Status::OK;
+}
+
+v1::LoadDelta ExpertShardService::TakeLoadDelta() {
+  LoadCounter::Delta d = load_.Take();
+  const ExecutorStats s = executor_.TakeStatsDelta();
+  v1::LoadDelta out;
+  out.set_num_layers(d.num_layers);
+  out.set_num_physical(d.num_physical);
+  out.set_map_version(d.map_version);
+  out.mutable_slot_counts()->Assign(d.counts.begin(), d.counts.end());
+  out.set_requests(s.requests);
+  out.set_tokens(s.tokens);
+  out.set_batches(s.batches);
+  out.set_merged_batches(s.merged_batches);
+  return out;
+}
+
+grpc::Status ExpertShardService::CollectLoad(grpc::ServerContext*, const v1::CollectLoadRequest*,
+                                             v1::LoadDelta* response) {
+  *response = TakeLoadDelta();
+  return grpc::Status::OK;
+}
+
+}  // namespace moe
