@@ -7,9 +7,9 @@
 #define MOE_KERNELS_FORMATS_H_
 
 #include <cstdint>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "kernels/tensor.h"
 
 namespace moe {
@@ -71,8 +71,10 @@ void DequantizeRows(const WeightMatrix& w, int64_t row_begin, int64_t row_end, f
 
 // Quantizes an fp32 matrix [rows, cols] into `w`'s format (used by the model generator and tests).
 // MXFP4: per block of 32, scale = UE8M0 of ceil(log2(amax / 6)) (so every value fits, no
-// saturation); NVFP4: scale = e4m3(amax / 6 / global_scale) per block of 16. `w` must point at
-// buffers of the right dtypes and shapes.
+// saturation); NVFP4: scale = e4m3(amax / 6 / global_scale) per block of 16. MXFP4 and BF16 first
+// divide by global_scale (1 leaves them unchanged) so that DequantizeRows(global_scale) inverts
+// them; an all-zero MXFP4 block gets scale 2^0. `w` must point at buffers of the right dtypes and
+// shapes; INVALID_ARGUMENT otherwise, for a non-finite input or a global_scale that is not > 0.
 [[nodiscard]] absl::Status QuantizeMatrix(const float* in, int64_t rows, int64_t cols,
                                           float global_scale, const WeightMatrix& w);
 

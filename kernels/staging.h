@@ -32,7 +32,8 @@ inline constexpr float kNvfp4TokenDivisor = 2688.f;  // 6 * 448
                                            TensorView out);
 
 // x F32 or BF16 [T, H], H % 64 == 0 -> q U8 [T, H/2] packed E2M1, block_scales I32 [T, H/64]
-// (E4M3 bytes, byte j of word w = group 4w+j), token_scale F32 [T] = max(row_amax, tiny)/2688.
+// (E4M3 bytes, byte j of word w = group 4w+j), token_scale F32 [T] = max(row_amax, tiny)/2688
+// with tiny = FLT_MIN (an all-zero row gets a positive scale and all-zero codes).
 [[nodiscard]] absl::Status QuantizeNvfp4PerToken(const TensorView& x, TensorView q,
                                                  TensorView block_scales, TensorView token_scale);
 [[nodiscard]] absl::Status DequantizeNvfp4PerToken(const TensorView& q,
