@@ -34,7 +34,9 @@ class ShardPlacement {
   // [P]: local slot index of each physical slot, or -1.
   absl::Span<const int32_t> expert_map() const { return expert_map_; }
   // [P]: whether this shard hosts the slot.
-  absl::Span<const bool> hosted() const { return {hosted_.get(), static_cast<size_t>(num_physical_)}; }
+  absl::Span<const bool> hosted() const {
+    return absl::Span<const bool>(hosted_.get(), static_cast<size_t>(num_physical_));
+  }
   // The logical expert of local slot j in layer l.
   int32_t LogicalOfLocal(int32_t l, int32_t j) const {
     return layers_[l].physical_to_logical()[hosted_slots_[j]];
