@@ -40,7 +40,6 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
   return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
 }
 
-
 MoeClient::MoeClient(ClientOptions options)
     : options_(std::move(options)),
       coordinator_(v1::Coordinator::NewStub(MakeChannel(options_.coordinator))) {}
@@ -67,9 +66,9 @@ absl::StatusOr<std::unique_ptr<MoeClient>> MoeClient::Connect(ClientOptions opti
     absl::SleepFor(backoff);  // polling the coordinator at start-up, not synchronization
   }
   if (!last.ok()) {
-    return absl::Status(last.code(), absl::StrCat("connecting to coordinator ",
-                                                  client->options_.coordinator, ": ",
-                                                  last.message()));
+    return absl::Status(
+        last.code(), absl::StrCat("connecting to coordinator ", client->options_.coordinator, ": ",
+                                  last.message()));
   }
   if (client->options_.watch_map) {
     client->watcher_ = std::thread([c = client.get()] { c->WatchLoop(); });
@@ -82,8 +81,9 @@ absl::Status MoeClient::InstallMap(const v1::ClusterMap& map) {
   state->map = map;
   for (int l = 0; l < map.layers_size(); ++l) {
     const auto& p2l = map.layers(l).physical_to_logical();
-    absl::StatusOr<LayerPlacement> lp = LayerPlacement::Create(
-        absl::MakeConstSpan(p2l.data(), p2l.size()), static_cast<int32_t>(map.model().num_experts()));
+    absl::StatusOr<LayerPlacement> lp =
+        LayerPlacement::Create(absl::MakeConstSpan(p2l.data(), p2l.size()),
+                               static_cast<int32_t>(map.model().num_experts()));
     if (!lp.ok()) return lp.status();
     state->layers.push_back(*std::move(lp));
   }
@@ -152,8 +152,8 @@ absl::StatusOr<ForwardResult> MoeClient::Forward(int layer, const TensorView& hi
                                                  const TensorView& topk_weights,
                                                  const ForwardOptions& options) {
   const absl::Time deadline =
-      absl::Now() + (options.deadline > absl::ZeroDuration() ? options.deadline
-                                                              : options_.default_deadline);
+      absl::Now() +
+      (options.deadline > absl::ZeroDuration() ? options.deadline : options_.default_deadline);
   absl::Status last;
   for (int attempt = 1;; ++attempt) {
     std::shared_ptr<const MapState> state = map_state();

@@ -64,8 +64,7 @@ class MoeClient {
 
   // Modular path: hidden F32 [T, H], topk_ids I32 [T, K] (logical), topk_weights F32 [T, K].
   absl::StatusOr<ForwardResult> Forward(int layer, const TensorView& hidden,
-                                        const TensorView& topk_ids,
-                                        const TensorView& topk_weights,
+                                        const TensorView& topk_ids, const TensorView& topk_weights,
                                         const ForwardOptions& options = {});
 
   // Routing helper (same library function the shards use on the monolithic path).

@@ -8,7 +8,8 @@ absl::StatusOr<DispatchPlan> PlanDispatch(const LayerPlacement& placement,
                                           absl::Span<const uint32_t> slot_to_rank, int num_ranks,
                                           const TensorView& topk_ids, const TensorView& is_padding,
                                           bool shared_experts) {
-  if (absl::Status s = CheckTensor(topk_ids, "topk_ids", DType::kI32, {kAnyDim, kAnyDim}); !s.ok()) {
+  if (absl::Status s = CheckTensor(topk_ids, "topk_ids", DType::kI32, {kAnyDim, kAnyDim});
+      !s.ok()) {
     return s;
   }
   const int64_t t_count = topk_ids.dim(0), k_count = topk_ids.dim(1);

@@ -13,7 +13,8 @@
 namespace moe {
 namespace {
 
-void SetTensor(v1::Tensor* t, DType dtype, std::initializer_list<int64_t> shape, std::string bytes) {
+void SetTensor(v1::Tensor* t, DType dtype, std::initializer_list<int64_t> shape,
+               std::string bytes) {
   t->set_dtype(ToWireDType(dtype));
   t->clear_shape();
   for (int64_t d : shape) t->add_shape(d);
@@ -74,15 +75,12 @@ struct MoeClient::ShardCall {
   grpc::Status status;
 };
 
-absl::StatusOr<ForwardResult> MoeClient::ForwardOnce(const MapState& state, int layer,
-                                                     const TensorView& hidden,
-                                                     const TensorView& topk_ids,
-                                                     const TensorView& topk_weights,
-                                                     const ForwardOptions& options,
-                                                     absl::Time deadline) {
+absl::StatusOr<ForwardResult> MoeClient::ForwardOnce(
+    const MapState& state, int layer, const TensorView& hidden, const TensorView& topk_ids,
+    const TensorView& topk_weights, const ForwardOptions& options, absl::Time deadline) {
   if (layer < 0 || layer >= static_cast<int>(state.layers.size())) {
-    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " outside [0, ",
-                                                   state.layers.size(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " outside [0, ", state.layers.size(), ")"));
   }
   if (absl::Status s = CheckTensor(hidden, "hidden", DType::kF32, {kAnyDim, kAnyDim}); !s.ok()) {
     return s;
@@ -112,9 +110,8 @@ absl::StatusOr<ForwardResult> MoeClient::ForwardOnce(const MapState& state, int 
     req.set_layer(layer);
     req.set_map_version(map.version());
     req.set_output_dtype(ToWireDType(options.wire_output_dtype));
-    req.mutable_hidden_states()->set_format(options.wire_hidden_dtype == DType::kF32
-                                                ? v1::ACTIVATION_F32
-                                                : v1::ACTIVATION_BF16);
+    req.mutable_hidden_states()->set_format(
+        options.wire_hidden_dtype == DType::kF32 ? v1::ACTIVATION_F32 : v1::ACTIVATION_BF16);
     SetTensor(req.mutable_hidden_states()->mutable_data(), options.wire_hidden_dtype, {n, h},
               HiddenRows(hidden, call->tokens, options.wire_hidden_dtype));
     SetTensor(req.mutable_topk_ids(), DType::kI32, {n, k}, Rows(topk_ids, call->tokens));
@@ -123,7 +120,8 @@ absl::StatusOr<ForwardResult> MoeClient::ForwardOnce(const MapState& state, int 
     std::memcpy(indices.data(), call->tokens.data(), indices.size());
     SetTensor(req.mutable_token_indices(), DType::kI64, {n}, std::move(indices));
     if (options.is_padding.present()) {
-      SetTensor(req.mutable_is_padding(), DType::kBool, {n}, Rows(options.is_padding, call->tokens));
+      SetTensor(req.mutable_is_padding(), DType::kBool, {n},
+                Rows(options.is_padding, call->tokens));
     }
     if (options.shared_experts) {
       std::string mask(n, '\0');
@@ -137,10 +135,11 @@ absl::StatusOr<ForwardResult> MoeClient::ForwardOnce(const MapState& state, int 
   for (auto& call : calls) {
     ShardStub(map.shards(call->rank).address())
         ->async()
-        ->Forward(&call->ctx, &call->request, &call->response, [&pending, c = call.get()](grpc::Status s) {
-          c->status = std::move(s);
-          pending.DecrementCount();
-        });
+        ->Forward(&call->ctx, &call->request, &call->response,
+                  [&pending, c = call.get()](grpc::Status s) {
+                    c->status = std::move(s);
+                    pending.DecrementCount();
+                  });
   }
   pending.Wait();
   ForwardResult result;
@@ -150,12 +149,12 @@ absl::StatusOr<ForwardResult> MoeClient::ForwardOnce(const MapState& state, int 
   for (auto& call : calls) {
     if (!call->status.ok()) {
       absl::Status s = FromGrpcStatus(call->status);
-      return absl::Status(s.code(), absl::StrCat("shard ", call->rank, " (",
-                                                 map.shards(call->rank).address(), "): ",
-                                                 s.message()));
+      return absl::Status(s.code(),
+                          absl::StrCat("shard ", call->rank, " (", map.shards(call->rank).address(),
+                                       "): ", s.message()));
     }
-    if (absl::Status s = Accumulate(call->response.output(), call->tokens, h,
-                                    result.output.data<float>());
+    if (absl::Status s =
+            Accumulate(call->response.output(), call->tokens, h, result.output.data<float>());
         !s.ok()) {
       return s;
     }

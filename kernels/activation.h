@@ -6,10 +6,10 @@
 #define MOE_KERNELS_ACTIVATION_H_
 
 #include <cstdint>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace moe {
 

@@ -16,7 +16,7 @@ int64_t MaxTokensPerLaunch(int64_t num_experts, int64_t top_k);
 // [begin, end) token ranges covering [0, num_tokens), each at most MaxTokensPerLaunch long;
 // empty for num_tokens == 0.
 std::vector<std::pair<int64_t, int64_t>> SplitIntoLaunchChunks(int64_t num_tokens,
-                                                              int64_t num_experts, int64_t top_k);
+                                                               int64_t num_experts, int64_t top_k);
 
 // max(max_tokens_per_request * senders, 8192): the largest batch tuned and graph-captured.
 int64_t MaxTunedTokens(int64_t max_tokens_per_request, int64_t senders);

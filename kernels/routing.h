@@ -7,10 +7,10 @@
 #define MOE_KERNELS_ROUTING_H_
 
 #include <cstdint>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kernels/tensor.h"
 
 namespace moe {

@@ -15,9 +15,9 @@
 
 namespace moe {
 
-inline constexpr int64_t kMxfp8Group = 32;        // hidden elements per scale
-inline constexpr int64_t kNvfp4ActGroup = 16;     // hidden elements per E4M3 scale
-inline constexpr float kMxfp8AmaxFloor = 1e-4f;   // amax floor before the scale is taken
+inline constexpr int64_t kMxfp8Group = 32;           // hidden elements per scale
+inline constexpr int64_t kNvfp4ActGroup = 16;        // hidden elements per E4M3 scale
+inline constexpr float kMxfp8AmaxFloor = 1e-4f;      // amax floor before the scale is taken
 inline constexpr float kNvfp4TokenDivisor = 2688.f;  // 6 * 448
 
 // x F32 or BF16 [T, H] with H % 128 == 0 -> q E4M3 [T, H], scales I32 [T, H/128] (byte g of

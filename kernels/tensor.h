@@ -66,7 +66,9 @@ class HostTensor {
   HostTensor() = default;
   HostTensor(DType dtype, Shape shape);
 
-  TensorView view() const { return TensorView{dtype_, shape_, const_cast<std::byte*>(storage_.data())}; }
+  TensorView view() const {
+    return TensorView{dtype_, shape_, const_cast<std::byte*>(storage_.data())};
+  }
   DType dtype() const { return dtype_; }
   const Shape& shape() const { return shape_; }
   template <typename T>

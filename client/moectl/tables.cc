@@ -11,10 +11,10 @@
 namespace moe {
 
 std::string FormatClusterMap(const v1::ClusterMap& map) {
-  std::string out = absl::StrFormat(
-      "cluster map version %d: model %s, %d layers, %d experts, %d slots, top-%d\n", map.version(),
-      map.model().fingerprint(), map.model().num_layers(), map.model().num_experts(),
-      map.num_physical(), map.model().top_k());
+  std::string out =
+      absl::StrFormat("cluster map version %d: model %s, %d layers, %d experts, %d slots, top-%d\n",
+                      map.version(), map.model().fingerprint(), map.model().num_layers(),
+                      map.model().num_experts(), map.num_physical(), map.model().top_k());
   for (const v1::ShardEntry& s : map.shards()) {
     std::vector<int> slots;
     for (int p = 0; p < map.slot_to_rank_size(); ++p) {

@@ -66,8 +66,8 @@ HostTensor Logits(const HostTensor& x, const LayerFixture& f, int64_t e_count) {
 }
 
 absl::Status OneStep(MoeClient& client, const model::ExpertModel& m,
-                     const std::vector<LayerFixture>& fixtures, const WorkloadOptions& o,
-                     int step, std::mt19937_64& rng, Totals& totals) {
+                     const std::vector<LayerFixture>& fixtures, const WorkloadOptions& o, int step,
+                     std::mt19937_64& rng, Totals& totals) {
   const model::ModelConfig& cfg = m.config();
   const int layer = step % static_cast<int>(fixtures.size());
   const LayerFixture& f = fixtures[layer];
@@ -82,8 +82,7 @@ absl::Status OneStep(MoeClient& client, const model::ExpertModel& m,
   for (int64_t t = 0; t < t_count; ++t) padding.data<bool>()[t] = uni(rng) < o.padding_fraction;
   HostTensor ids, weights;
   HostTensor logits = Logits(x, f, cfg.num_experts);
-  if (absl::Status s =
-          MoeClient::RouteLogits(f.router.Params(cfg), logits.view(), ids, weights);
+  if (absl::Status s = MoeClient::RouteLogits(f.router.Params(cfg), logits.view(), ids, weights);
       !s.ok()) {
     return s;
   }
@@ -101,7 +100,8 @@ absl::Status OneStep(MoeClient& client, const model::ExpertModel& m,
   for (int64_t t = 0; t < t_count; ++t) {
     mask.data<bool>()[t] = !padding.data<bool>()[t];
     for (int64_t j = 0; j < k; ++j) {
-      local.data<int32_t>()[t * k + j] = padding.data<bool>()[t] ? -1 : ids.data<int32_t>()[t * k + j];
+      local.data<int32_t>()[t * k + j] =
+          padding.data<bool>()[t] ? -1 : ids.data<int32_t>()[t * k + j];
     }
   }
   if (o.verify) {
@@ -166,7 +166,8 @@ bool LoadMatches(const v1::LoadStats& stats, const Totals& totals, std::ostream&
   for (int l = 0; ok && l < stats.layers_size(); ++l) {
     const auto& got = stats.layers(l).expert_load();
     const auto& want = totals.expected_load[l];
-    ok = got.size() == static_cast<int>(want.size()) && std::equal(want.begin(), want.end(), got.begin());
+    ok = got.size() == static_cast<int>(want.size()) &&
+         std::equal(want.begin(), want.end(), got.begin());
     if (!ok) out << "load mismatch in layer " << l << "\n";
   }
   return ok;

@@ -25,7 +25,7 @@ struct WorkloadOptions {
   double skew = 1.2;        // Zipf-like exponent added to router logits (0: model's own routing)
   double padding_fraction = 0.05;  // share of tokens marked as padding
   uint64_t seed = 1;
-  bool verify = true;       // compare each output with the CPU reference
+  bool verify = true;  // compare each output with the CPU reference
   absl::Duration connect_wait = absl::Seconds(60);
 };
 

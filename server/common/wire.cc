@@ -9,13 +9,20 @@ namespace moe {
 
 absl::StatusOr<DType> FromWireDType(v1::DType dtype, absl::string_view field) {
   switch (dtype) {
-    case v1::F32: return DType::kF32;
-    case v1::BF16: return DType::kBF16;
-    case v1::U8: return DType::kU8;
-    case v1::I32: return DType::kI32;
-    case v1::I64: return DType::kI64;
-    case v1::E4M3: return DType::kE4M3;
-    case v1::BOOL: return DType::kBool;
+    case v1::F32:
+      return DType::kF32;
+    case v1::BF16:
+      return DType::kBF16;
+    case v1::U8:
+      return DType::kU8;
+    case v1::I32:
+      return DType::kI32;
+    case v1::I64:
+      return DType::kI64;
+    case v1::E4M3:
+      return DType::kE4M3;
+    case v1::BOOL:
+      return DType::kBool;
     default:
       return absl::InvalidArgumentError(
           absl::StrCat(field, ": unknown or unspecified dtype ", static_cast<int>(dtype)));
@@ -24,13 +31,20 @@ absl::StatusOr<DType> FromWireDType(v1::DType dtype, absl::string_view field) {
 
 v1::DType ToWireDType(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return v1::F32;
-    case DType::kBF16: return v1::BF16;
-    case DType::kU8: return v1::U8;
-    case DType::kI32: return v1::I32;
-    case DType::kI64: return v1::I64;
-    case DType::kE4M3: return v1::E4M3;
-    case DType::kBool: return v1::BOOL;
+    case DType::kF32:
+      return v1::F32;
+    case DType::kBF16:
+      return v1::BF16;
+    case DType::kU8:
+      return v1::U8;
+    case DType::kI32:
+      return v1::I32;
+    case DType::kI64:
+      return v1::I64;
+    case DType::kE4M3:
+      return v1::E4M3;
+    case DType::kBool:
+      return v1::BOOL;
   }
   return v1::DTYPE_UNSPECIFIED;
 }
@@ -53,9 +67,9 @@ absl::StatusOr<TensorView> ViewOf(const v1::Tensor& t, absl::string_view field) 
   }
   const int64_t expected = elements * static_cast<int64_t>(DTypeSize(*dtype));
   if (static_cast<int64_t>(t.data().size()) != expected) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ": ", t.data().size(), " bytes of data for ", DTypeName(*dtype),
-        ShapeString(view.shape), ", expected ", expected));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", t.data().size(), " bytes of data for ", DTypeName(*dtype),
+                     ShapeString(view.shape), ", expected ", expected));
   }
   view.data = const_cast<char*>(t.data().data());
   return view;

@@ -7,9 +7,8 @@
 #ifndef MOE_SERVER_COMMON_WIRE_H_
 #define MOE_SERVER_COMMON_WIRE_H_
 
-#include "absl/strings/string_view.h"
-
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kernels/tensor.h"
 #include "moe/v1/tensor.pb.h"
 

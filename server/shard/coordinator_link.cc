@@ -62,7 +62,8 @@ absl::Status CoordinatorLink::Register() {
 absl::Status CoordinatorLink::Start(absl::Duration wait) {
   const absl::Time give_up = absl::Now() + wait;
   absl::Status s;
-  for (absl::Duration backoff = absl::Milliseconds(20);; backoff = std::min(backoff * 2, absl::Seconds(1))) {
+  for (absl::Duration backoff = absl::Milliseconds(20);;
+       backoff = std::min(backoff * 2, absl::Seconds(1))) {
     s = Register();
     // FAILED_PRECONDITION (wrong model) and INVALID_ARGUMENT are final; the rest is retried.
     if (s.ok() || s.code() == absl::StatusCode::kFailedPrecondition ||
@@ -72,8 +73,8 @@ absl::Status CoordinatorLink::Start(absl::Duration wait) {
     absl::SleepFor(backoff);  // waiting for the coordinator to come up, not synchronization
   }
   if (!s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("registering with coordinator ", coordinator_, ": ",
-                                               s.message()));
+    return absl::Status(
+        s.code(), absl::StrCat("registering with coordinator ", coordinator_, ": ", s.message()));
   }
   watcher_ = std::thread([this] { WatchLoop(); });
   heartbeater_ = std::thread([this] { HeartbeatLoop(); });

@@ -53,7 +53,8 @@ absl::Status Executor::Run(const WorkItem& item) {
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("shard executor is shutting down");
   queue_.push_back(&pending);
-  mu_.Await(absl::Condition(+[](Pending* p) { return p->done; }, &pending));
+  mu_.Await(absl::Condition(
+      +[](Pending* p) { return p->done; }, &pending));
   return pending.status;
 }
 
@@ -78,7 +79,8 @@ void Executor::WorkerLoop() {
   absl::MutexLock lock(&mu_);
   while (true) {
     mu_.Await(absl::Condition(
-        +[](Executor* e) ABSL_NO_THREAD_SAFETY_ANALYSIS { return e->stopping_ || !e->queue_.empty(); },
+        +[](Executor* e)
+             ABSL_NO_THREAD_SAFETY_ANALYSIS { return e->stopping_ || !e->queue_.empty(); },
         this));
     if (queue_.empty()) return;  // stopping with nothing left
     if (options_.max_batch_wait > absl::ZeroDuration() && queue_.size() == 1) {
@@ -147,6 +149,11 @@ absl::Status Executor::RunBatch(const std::vector<Pending*>& batch) {
     src += p->item->out.NumBytes();
   }
   return absl::OkStatus();
+}
+
+size_t Executor::queued_requests() const {
+  absl::MutexLock lock(&mu_);
+  return queue_.size();
 }
 
 ExecutorStats Executor::stats() const {

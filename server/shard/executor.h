@@ -62,6 +62,8 @@ class Executor {
   [[nodiscard]] absl::Status Run(const WorkItem& item);
 
   ExecutorStats stats() const;
+  // Requests waiting for the worker (queue depth, for metrics and tests).
+  size_t queued_requests() const;
   // Stats since the previous call (for load deltas).
   ExecutorStats TakeStatsDelta();
 

@@ -19,8 +19,9 @@ void LoadCounter::Record(const ShardPlacement& placement, int32_t layer,
                          const TensorView& physical_ids) {
   absl::MutexLock lock(&mu_);
   if (pending_.num_physical != placement.num_physical() || layer >= pending_.num_layers) return;
-  absl::Span<int64_t> row(pending_.counts.data() + static_cast<size_t>(layer) * pending_.num_physical,
-                          pending_.num_physical);
+  absl::Span<int64_t> row(
+      pending_.counts.data() + static_cast<size_t>(layer) * pending_.num_physical,
+      pending_.num_physical);
   // Staging already validated the tensor; a failure here is a programmer error.
   const absl::Status s = RecordLoad(physical_ids, physical_ids.dim(0), placement.hosted(), row);
   CHECK(s.ok()) << s;

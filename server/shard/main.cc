@@ -112,8 +112,8 @@ int Run(const ShardOptions& o) {
   std::unique_ptr<CoordinatorLink> link;
   if (o.coordinator.empty()) {
     service.set_identity({"standalone", address});
-    if (absl::Status s = service.Activate(
-            ShardPlacement::Standalone(model.num_layers, model.num_experts, 1));
+    if (absl::Status s =
+            service.Activate(ShardPlacement::Standalone(model.num_layers, model.num_experts, 1));
         !s.ok()) {
       LOG(ERROR) << "cannot load weights: " << s;
       return 1;

@@ -44,7 +44,8 @@ absl::StatusOr<std::shared_ptr<const LoadedWeights>> ModelWeightSource::Load(
     for (size_t j = 0; j < placement.hosted_slots().size(); ++j) {
       slot_to_logical.push_back(placement.LogicalOfLocal(l, static_cast<int32_t>(j)));
     }
-    absl::StatusOr<std::unique_ptr<model::LoadedLayer>> layer = model_->LoadLayer(l, slot_to_logical);
+    absl::StatusOr<std::unique_ptr<model::LoadedLayer>> layer =
+        model_->LoadLayer(l, slot_to_logical);
     if (!layer.ok()) return layer.status();
     layers.push_back(*std::move(layer));
   }

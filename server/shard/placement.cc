@@ -27,9 +27,8 @@ absl::StatusOr<std::shared_ptr<const ShardPlacement>> ShardPlacement::FromCluste
                                                    num_physical));
   }
   if (map.layers_size() != static_cast<int>(map.model().num_layers())) {
-    return absl::InvalidArgumentError(absl::StrCat("cluster map: ", map.layers_size(),
-                                                   " layers, model has ",
-                                                   map.model().num_layers()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cluster map: ", map.layers_size(), " layers, model has ", map.model().num_layers()));
   }
   std::shared_ptr<ShardPlacement> p(new ShardPlacement());
   p->version_ = map.version();
@@ -37,9 +36,8 @@ absl::StatusOr<std::shared_ptr<const ShardPlacement>> ShardPlacement::FromCluste
   for (int l = 0; l < map.layers_size(); ++l) {
     const auto& p2l = map.layers(l).physical_to_logical();
     if (p2l.size() != num_physical) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("cluster map: layer ", l, " has ", p2l.size(), " slots, expected ",
-                       num_physical));
+      return absl::InvalidArgumentError(absl::StrCat("cluster map: layer ", l, " has ", p2l.size(),
+                                                     " slots, expected ", num_physical));
     }
     absl::StatusOr<LayerPlacement> lp =
         LayerPlacement::Create(absl::MakeConstSpan(p2l.data(), p2l.size()), num_logical);

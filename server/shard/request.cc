@@ -12,7 +12,7 @@
 namespace moe {
 namespace {
 
-#define MOE_ASSIGN_OR_RETURN_VIEW(lhs, expr) \
+#define MOE_ASSIGN_OR_RETURN_VIEW(lhs, expr)    \
   absl::StatusOr<TensorView> lhs##_or = (expr); \
   if (!lhs##_or.ok()) return lhs##_or.status(); \
   const TensorView lhs = *lhs##_or
@@ -28,8 +28,8 @@ absl::StatusOr<HostTensor> DecodeHidden(const v1::HiddenStates& hs, int64_t hidd
   MOE_ASSIGN_OR_RETURN_VIEW(scales, ViewOf(hs.scales(), "hidden_states.scales"));
   MOE_ASSIGN_OR_RETURN_VIEW(token_scale, ViewOf(hs.token_scale(), "hidden_states.token_scale"));
   if (data.rank() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat("hidden_states.data: expected [T, H], got ",
-                                                   ShapeString(data.shape)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden_states.data: expected [T, H], got ", ShapeString(data.shape)));
   }
   const int64_t t = data.dim(0);
   HostTensor out(DType::kF32, {t, hidden});
@@ -59,9 +59,9 @@ absl::StatusOr<HostTensor> DecodeHidden(const v1::HiddenStates& hs, int64_t hidd
       return out;
     case v1::ACTIVATION_NVFP4:
       if (data.dim(1) * 2 != hidden) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "hidden_states.data: NVFP4 payload has ", data.dim(1), " bytes per token, model H = ",
-            hidden));
+        return absl::InvalidArgumentError(absl::StrCat("hidden_states.data: NVFP4 payload has ",
+                                                       data.dim(1),
+                                                       " bytes per token, model H = ", hidden));
       }
       if (absl::Status s = Prefix(DequantizeNvfp4PerToken(data, scales, token_scale, out.view()),
                                   "hidden_states: ");
@@ -105,9 +105,9 @@ absl::Status StageTopk(const v1::ForwardRequest& req, const ServedModel& model, 
     if (!params.ok()) return params.status();
     staged.routed_ids = HostTensor(DType::kI32, {t, params->top_k});
     staged.routed_weights = HostTensor(DType::kF32, {t, params->top_k});
-    if (absl::Status s = Prefix(Route(*params, logits, staged.routed_ids.view(),
-                                      staged.routed_weights.view()),
-                                "routing: ");
+    if (absl::Status s =
+            Prefix(Route(*params, logits, staged.routed_ids.view(), staged.routed_weights.view()),
+                   "routing: ");
         !s.ok()) {
       return s;
     }
@@ -117,8 +117,8 @@ absl::Status StageTopk(const v1::ForwardRequest& req, const ServedModel& model, 
     MOE_ASSIGN_OR_RETURN_VIEW(i, ViewOf(req.topk_ids(), "topk_ids"));
     MOE_ASSIGN_OR_RETURN_VIEW(w, ViewOf(req.topk_weights(), "topk_weights"));
     if (!i.present() || i.rank() != 2 || i.dim(0) != t) {
-      return absl::InvalidArgumentError(absl::StrCat("topk_ids: expected [", t, ", K], got ",
-                                                     ShapeString(i.shape)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("topk_ids: expected [", t, ", K], got ", ShapeString(i.shape)));
     }
     raw_ids = i;
     raw_weights = w;
@@ -139,16 +139,21 @@ absl::StatusOr<StagedRequest> StageForwardRequest(const v1::ForwardRequest& req,
                                                   const ServedModel& model,
                                                   const ShardPlacement& placement) {
   if (req.layer() >= static_cast<uint32_t>(model.num_layers)) {
-    return absl::InvalidArgumentError(absl::StrCat("layer ", req.layer(), " unknown: the model has ",
-                                                   model.num_layers, " MoE layers"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer ", req.layer(), " unknown: the model has ", model.num_layers, " MoE layers"));
   }
   StagedRequest staged;
   staged.layer = static_cast<int32_t>(req.layer());
   switch (req.output_dtype()) {
     case v1::DTYPE_UNSPECIFIED:
-    case v1::BF16: staged.out_dtype = DType::kBF16; break;
-    case v1::F32: staged.out_dtype = DType::kF32; break;
-    default: return absl::InvalidArgumentError("output_dtype: must be F32 or BF16");
+    case v1::BF16:
+      staged.out_dtype = DType::kBF16;
+      break;
+    case v1::F32:
+      staged.out_dtype = DType::kF32;
+      break;
+    default:
+      return absl::InvalidArgumentError("output_dtype: must be F32 or BF16");
   }
   absl::StatusOr<HostTensor> hidden = DecodeHidden(req.hidden_states(), model.hidden);
   if (!hidden.ok()) return hidden.status();

@@ -70,15 +70,15 @@ uint64_t ExpertShardService::active_version() const {
   return current_ ? current_->placement->version() : 0;
 }
 
-absl::StatusOr<std::shared_ptr<const ExpertShardService::Snapshot>>
-ExpertShardService::SnapshotFor(uint64_t map_version) const {
+absl::StatusOr<std::shared_ptr<const ExpertShardService::Snapshot>> ExpertShardService::SnapshotFor(
+    uint64_t map_version) const {
   absl::MutexLock lock(&mu_);
   if (!current_) return absl::UnavailableError("shard is loading weights; retry");
   if (map_version == 0 || map_version == current_->placement->version()) return current_;
   if (previous_ && map_version == previous_->placement->version()) return previous_;
-  return absl::FailedPreconditionError(
-      absl::StrCat("stale map version ", map_version, "; current map version is ",
-                   current_->placement->version()));
+  return absl::FailedPreconditionError(absl::StrCat("stale map version ", map_version,
+                                                    "; current map version is ",
+                                                    current_->placement->version()));
 }
 
 absl::Status ExpertShardService::DoForward(const v1::ForwardRequest& request,

@@ -1,0 +1,105 @@
+// Executor: requests queued together are merged into one backend batch and each caller gets its
+// own rows back; budgets and layer boundaries split batches.
+#include "server/shard/executor.h"
+
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+
+namespace moe {
+namespace {
+
+// Writes out[t, j] = hidden[t, j] * 2 + batch_size and records batch sizes; the first batch
+// blocks until released so that later requests queue up behind it.
+class FakeBackend final : public ExpertBackend {
+ public:
+  absl::string_view name() const override { return "fake"; }
+  std::string device() const override { return "none"; }
+  absl::Status CheckSupported(const ExpertLayer&) const override { return absl::OkStatus(); }
+  absl::Status PrepareLayer(int, const ExpertLayer&) override { return absl::OkStatus(); }
+  absl::Status Run(int, const ExpertLayer&, const ExpertsRequest& r) override {
+    if (!started.HasBeenNotified()) started.Notify();
+    if (batches.empty()) release.WaitForNotification();
+    const int64_t t = r.hidden_states.dim(0), h = r.hidden_states.dim(1);
+    batches.push_back(t);
+    for (int64_t i = 0; i < t * h; ++i) {
+      r.out.As<float>()[i] = r.hidden_states.As<const float>()[i] * 2 + static_cast<float>(t);
+    }
+    return absl::OkStatus();
+  }
+  absl::Notification started, release;
+  std::vector<int64_t> batches;
+};
+
+struct Item {
+  Item(int64_t t, int64_t h, float value, const ExpertLayer* layer, int layer_index)
+      : hidden(DType::kF32, {t, h}),
+        ids(DType::kI32, {t, 1}),
+        weights(DType::kF32, {t, 1}),
+        out(DType::kF32, {t, h}) {
+    for (int64_t i = 0; i < t * h; ++i) hidden.data<float>()[i] = value + i;
+    work = WorkItem{layer_index,    layer,        hidden.view(), ids.view(),
+                    weights.view(), TensorView{}, out.view()};
+  }
+  HostTensor hidden, ids, weights, out;
+  WorkItem work;
+};
+
+TEST(ExecutorTest, MergesQueuedRequestsOfTheSameLayer) {
+  FakeBackend backend;
+  ExpertLayer layer_a, layer_b;
+  Executor executor(&backend, ExecutorOptions{.max_batch_tokens = 100});
+  Item first(1, 2, 0.f, &layer_a, 0);
+  std::thread t0([&] { EXPECT_TRUE(executor.Run(first.work).ok()); });
+  backend.started.WaitForNotification();  // the worker is now busy with `first`
+  Item a(3, 2, 10.f, &layer_a, 0), b(4, 2, 20.f, &layer_a, 0), c(2, 2, 30.f, &layer_b, 1);
+  std::vector<std::thread> threads;
+  for (Item* item : {&a, &b, &c}) {
+    threads.emplace_back([&executor, item] { EXPECT_TRUE(executor.Run(item->work).ok()); });
+  }
+  // Release the worker only once all three are queued (bounded wait on the queue depth).
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (executor.queued_requests() < 3 && absl::Now() < give_up)
+    absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ(executor.queued_requests(), 3u);
+  backend.release.Notify();
+  t0.join();
+  for (auto& t : threads) t.join();
+  // Batches: {first}, then {a, b} merged (same layer, 7 tokens), then {c} (another layer).
+  ASSERT_EQ(backend.batches.size(), 3u);
+  EXPECT_EQ(backend.batches[0], 1);
+  EXPECT_EQ(backend.batches[1], 7);
+  EXPECT_EQ(backend.batches[2], 2);
+  // Each caller got its own rows: hidden * 2 + batch size.
+  for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(a.out.data<float>()[i], (10.f + i) * 2 + 7);
+  for (int64_t i = 0; i < 8; ++i) EXPECT_EQ(b.out.data<float>()[i], (20.f + i) * 2 + 7);
+  for (int64_t i = 0; i < 4; ++i) EXPECT_EQ(c.out.data<float>()[i], (30.f + i) * 2 + 2);
+  const ExecutorStats s = executor.stats();
+  EXPECT_EQ(s.requests, 4u);
+  EXPECT_EQ(s.batches, 3u);
+  EXPECT_EQ(s.merged_batches, 1u);
+  EXPECT_EQ(s.max_batch_tokens, 7u);
+  EXPECT_EQ(executor.TakeStatsDelta().requests, 4u);
+  EXPECT_EQ(executor.TakeStatsDelta().requests, 0u);
+}
+
+TEST(ExecutorTest, TokenBudgetSplitsBatches) {
+  FakeBackend backend;
+  backend.release.Notify();
+  ExpertLayer layer;
+  Executor executor(&backend, ExecutorOptions{.max_batch_tokens = 4});
+  Item a(3, 1, 0.f, &layer, 0), b(3, 1, 0.f, &layer, 0);
+  std::thread ta([&] { EXPECT_TRUE(executor.Run(a.work).ok()); });
+  std::thread tb([&] { EXPECT_TRUE(executor.Run(b.work).ok()); });
+  ta.join();
+  tb.join();
+  // 3 + 3 > 4: never merged.
+  EXPECT_EQ(backend.batches, (std::vector<int64_t>{3, 3}));
+  EXPECT_EQ(executor.stats().merged_batches, 0u);
+}
+
+}  // namespace
+}  // namespace moe
