@@ -1,0 +1,102 @@
+#include "server/coordinator/placement.h"
+
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace moe {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::ElementsAreArray;
+
+struct SlotToRankCase {
+  int num_physical;
+  int num_shards;
+  std::vector<uint32_t> expected;
+  bool every_rank_hosts;
+};
+
+TEST(RankMajorSlotToRankTest, HandWorkedLayouts) {
+  const SlotToRankCase cases[] = {
+      {8, 2, {0, 0, 0, 0, 1, 1, 1, 1}, true},
+      {4, 4, {0, 1, 2, 3}, true},
+      {3, 1, {0, 0, 0}, true},
+      // ceil(10 / 4) = 3 slots per rank, the last rank gets the remainder.
+      {10, 4, {0, 0, 0, 1, 1, 1, 2, 2, 2, 3}, true},
+      // ceil(5 / 4) = 2: rank 3 ends up with no slot.
+      {5, 4, {0, 0, 1, 1, 2}, false},
+      {6, 3, {0, 0, 1, 1, 2, 2}, true},
+  };
+  for (const SlotToRankCase& c : cases) {
+    SCOPED_TRACE(testing::Message() << "P=" << c.num_physical << " shards=" << c.num_shards);
+    const std::vector<uint32_t> slot_to_rank = RankMajorSlotToRank(c.num_physical, c.num_shards);
+    EXPECT_THAT(slot_to_rank, ElementsAreArray(c.expected));
+    EXPECT_EQ(EveryRankHostsASlot(slot_to_rank, c.num_shards), c.every_rank_hosts);
+  }
+}
+
+struct PlacementCase {
+  int num_logical;
+  int num_redundant;
+  std::vector<int32_t> expected;
+};
+
+TEST(InitialPhysicalToLogicalTest, RedundantSlotsSpreadOverExperts) {
+  const PlacementCase cases[] = {
+      {4, 0, {0, 1, 2, 3}},
+      // r * 8 / 4 for r = 0..3: experts 0, 2, 4, 6.
+      {8, 4, {0, 1, 2, 3, 4, 5, 6, 7, 0, 2, 4, 6}},
+      // r * 4 / 3 for r = 0..2: 0, 1 (4/3), 2 (8/3).
+      {4, 3, {0, 1, 2, 3, 0, 1, 2}},
+      // More redundant slots than experts: r * 3 / 6 = 0 0 1 1 2 2.
+      {3, 6, {0, 1, 2, 0, 0, 1, 1, 2, 2}},
+      {1, 2, {0, 0, 0}},
+  };
+  for (const PlacementCase& c : cases) {
+    SCOPED_TRACE(testing::Message() << "E=" << c.num_logical << " R=" << c.num_redundant);
+    EXPECT_THAT(InitialPhysicalToLogical(c.num_logical, c.num_redundant),
+                ElementsAreArray(c.expected));
+  }
+}
+
+TEST(InitialPhysicalToLogicalTest, LargeExpertCountDoesNotOverflow) {
+  // r * E = 99999 * 65536 exceeds int32; the expected id is floor(99999 * 65536 / 100000).
+  const std::vector<int32_t> p2l = InitialPhysicalToLogical(65536, 100000);
+  EXPECT_EQ(p2l[65536 + 99999], 65535);
+  EXPECT_EQ(p2l[65536 + 50000], 32768);
+}
+
+TEST(BalancednessTest, MeanOverMax) {
+  EXPECT_DOUBLE_EQ(Balancedness({}), 1.0);
+  EXPECT_DOUBLE_EQ(Balancedness({0, 0, 0}), 1.0);
+  EXPECT_DOUBLE_EQ(Balancedness({10, 10}), 1.0);
+  EXPECT_DOUBLE_EQ(Balancedness({30, 10}), 20.0 / 30.0);
+  EXPECT_DOUBLE_EQ(Balancedness({6, 0, 0}), 2.0 / 6.0);
+}
+
+TEST(SummarizeLayerLoadTest, HandWorkedLayer) {
+  // E = 4, R = 2, 3 shards: slots 0 1 | 2 3 | 4 5, slot 4 replicates expert 0, slot 5 expert 2.
+  const std::vector<int64_t> slot_load = {5, 1, 2, 0, 3, 4};
+  const std::vector<int32_t> p2l = {0, 1, 2, 3, 0, 2};
+  const std::vector<uint32_t> slot_to_rank = {0, 0, 1, 1, 2, 2};
+  const v1::LayerLoad load = SummarizeLayerLoad(7, slot_load, p2l, slot_to_rank, 4, 3);
+  EXPECT_EQ(load.layer(), 7u);
+  EXPECT_THAT(load.expert_load(), ElementsAre(8, 1, 6, 0));
+  EXPECT_THAT(load.slot_load(), ElementsAre(5, 1, 2, 0, 3, 4));
+  EXPECT_THAT(load.shard_load(), ElementsAre(6, 2, 7));
+  EXPECT_DOUBLE_EQ(load.balancedness(), 5.0 / 7.0);
+}
+
+TEST(SummarizeLayerLoadTest, IdleLayerIsBalanced) {
+  const v1::LayerLoad load =
+      SummarizeLayerLoad(0, std::vector<int64_t>{0, 0}, std::vector<int32_t>{0, 1},
+                         std::vector<uint32_t>{0, 1}, 2, 2);
+  EXPECT_THAT(load.expert_load(), ElementsAre(0, 0));
+  EXPECT_THAT(load.shard_load(), ElementsAre(0, 0));
+  EXPECT_DOUBLE_EQ(load.balancedness(), 1.0);
+}
+
+}  // namespace
+}  // namespace moe
