@@ -22,8 +22,8 @@ constexpr int64_t kMaxDeltaCount = int64_t{1} << 40;
 
 absl::Status ValidateModel(const v1::ModelShape& model, const ClusterOptions& options) {
   if (model.num_layers() < 1 || model.num_layers() > kMaxLayers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("model.num_layers must be in [1, ", kMaxLayers, "], got ", model.num_layers()));
+    return absl::InvalidArgumentError(absl::StrCat("model.num_layers must be in [1, ", kMaxLayers,
+                                                   "], got ", model.num_layers()));
   }
   if (model.num_experts() < 1 || model.num_experts() > kMaxExperts) {
     return absl::InvalidArgumentError(absl::StrCat("model.num_experts must be in [1, ", kMaxExperts,
@@ -139,7 +139,8 @@ absl::Status ClusterState::FixModelLocked(const v1::ModelShape& model) {
     LOG(WARNING) << num_physical_ << " slots over " << options_.num_shards
                  << " shards leaves the last ranks without slots (rank-major layout)";
   }
-  const std::vector<int32_t> layer = InitialPhysicalToLogical(num_logical, options_.redundant_slots);
+  const std::vector<int32_t> layer =
+      InitialPhysicalToLogical(num_logical, options_.redundant_slots);
   physical_to_logical_.clear();
   for (uint32_t l = 0; l < model.num_layers(); ++l) {
     physical_to_logical_.insert(physical_to_logical_.end(), layer.begin(), layer.end());
@@ -184,8 +185,7 @@ absl::StatusOr<v1::HeartbeatResponse> ClusterState::Heartbeat(const v1::Heartbea
   return response;
 }
 
-absl::Status ClusterState::MergeLoadDelta(const std::string& shard_id,
-                                          const v1::LoadDelta& delta) {
+absl::Status ClusterState::MergeLoadDelta(const std::string& shard_id, const v1::LoadDelta& delta) {
   absl::MutexLock lock(&mu_);
   const int rank = FindShardLocked(shard_id);
   if (rank < 0) return absl::NotFoundError(absl::StrCat("unknown shard_id '", shard_id, "'"));
@@ -203,10 +203,10 @@ absl::Status ClusterState::MergeLoadDeltaLocked(int rank, const v1::LoadDelta& d
   if (!totals_only) {
     if (delta.num_layers() != num_layers || delta.num_physical() != num_physical ||
         delta.slot_counts_size() != num_layers * num_physical) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "load delta is [", delta.num_layers(), ", ", delta.num_physical(), "] with ",
-          delta.slot_counts_size(), " counts; the cluster has [", num_layers, ", ", num_physical,
-          "]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("load delta is [", delta.num_layers(), ", ", delta.num_physical(), "] with ",
+                       delta.slot_counts_size(), " counts; the cluster has [", num_layers, ", ",
+                       num_physical, "]"));
     }
     for (int i = 0; i < delta.slot_counts_size(); ++i) {
       const int64_t count = delta.slot_counts(i);
@@ -280,10 +280,10 @@ v1::LoadStats ClusterState::GetLoadStats() const {
     const absl::Span<const int32_t> placements(physical_to_logical_);
     int64_t total = 0;
     for (uint32_t l = 0; l < model_->num_layers(); ++l) {
-      *stats.add_layers() = SummarizeLayerLoad(
-          l, loads.subspan(l * num_physical, num_physical),
-          placements.subspan(l * num_physical, num_physical), slot_to_rank_,
-          static_cast<int>(model_->num_experts()), options_.num_shards);
+      *stats.add_layers() =
+          SummarizeLayerLoad(l, loads.subspan(l * num_physical, num_physical),
+                             placements.subspan(l * num_physical, num_physical), slot_to_rank_,
+                             static_cast<int>(model_->num_experts()), options_.num_shards);
     }
     for (int64_t load : slot_load_) total += load;
     stats.set_total_routes(total);

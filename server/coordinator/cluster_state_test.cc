@@ -56,8 +56,8 @@ v1::LoadDelta Delta(uint32_t layers, uint32_t physical, std::vector<int64_t> cou
   return delta;
 }
 
-v1::LoadDelta WithTotals(v1::LoadDelta delta, uint64_t requests, uint64_t tokens,
-                         uint64_t batches, uint64_t merged_batches) {
+v1::LoadDelta WithTotals(v1::LoadDelta delta, uint64_t requests, uint64_t tokens, uint64_t batches,
+                         uint64_t merged_batches) {
   delta.set_requests(requests);
   delta.set_tokens(tokens);
   delta.set_batches(batches);
@@ -140,8 +140,7 @@ TEST_F(ClusterStateTest, MalformedRegistrationsAreInvalid) {
   v1::RegisterShardRequest big_top_k = Registration("a:1", -1, model_);
   big_top_k.mutable_model()->set_top_k(5);
   for (const auto* request : {&no_address, &no_model, &no_layers, &no_experts, &big_top_k}) {
-    EXPECT_EQ(state->RegisterShard(*request).status().code(),
-              absl::StatusCode::kInvalidArgument)
+    EXPECT_EQ(state->RegisterShard(*request).status().code(), absl::StatusCode::kInvalidArgument)
         << request->ShortDebugString();
   }
   // None of them fixed the model.

@@ -28,7 +28,8 @@ std::string JoinHostPort(const std::string& host, int port) {
 absl::Status ValidateOptions(const CoordinatorOptions& options) {
   if (options.host.empty()) return absl::InvalidArgumentError("--host is empty");
   if (options.port < 0 || options.port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("--port must be in [0, 65535], got ", options.port));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--port must be in [0, 65535], got ", options.port));
   }
   if (options.cluster.num_shards < 1) {
     return absl::InvalidArgumentError(
@@ -84,8 +85,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   builder.RegisterService(server->service_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ",
-                                               JoinHostPort(options.host, options.port)));
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", JoinHostPort(options.host, options.port)));
   }
   server->address_ = JoinHostPort(options.host, server->port_);
   if (!options.port_file.empty()) {

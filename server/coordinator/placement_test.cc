@@ -90,9 +90,8 @@ TEST(SummarizeLayerLoadTest, HandWorkedLayer) {
 }
 
 TEST(SummarizeLayerLoadTest, IdleLayerIsBalanced) {
-  const v1::LayerLoad load =
-      SummarizeLayerLoad(0, std::vector<int64_t>{0, 0}, std::vector<int32_t>{0, 1},
-                         std::vector<uint32_t>{0, 1}, 2, 2);
+  const v1::LayerLoad load = SummarizeLayerLoad(
+      0, std::vector<int64_t>{0, 0}, std::vector<int32_t>{0, 1}, std::vector<uint32_t>{0, 1}, 2, 2);
   EXPECT_THAT(load.expert_load(), ElementsAre(0, 0));
   EXPECT_THAT(load.shard_load(), ElementsAre(0, 0));
   EXPECT_DOUBLE_EQ(load.balancedness(), 1.0);
