@@ -126,28 +126,31 @@ void CoordinatorLink::WatchLoop() {
 }
 
 absl::Status CoordinatorLink::SendHeartbeat() {
-  v1::HeartbeatRequest req;
-  {
-    absl::MutexLock lock(&mu_);
-    MergeDelta(service_->TakeLoadDelta(), &unsent_);
-    req.set_shard_id(shard_id_);
-    *req.mutable_load() = unsent_;
-  }
-  req.set_ready_map_version(service_->active_version());
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
-  v1::HeartbeatResponse resp;
-  grpc::Status s = stub_->Heartbeat(&ctx, req, &resp);
-  if (s.ok()) {
-    absl::MutexLock lock(&mu_);
-    unsent_.Clear();
-    return absl::OkStatus();
-  }
-  if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
-    LOG(WARNING) << "coordinator forgot this shard; registering again";
-    (void)Register();
-  }
-  return FromGrpcStatus(s);
+  // Under the service's hand-off lock until the coordinator answered (see HandOffLoad).
+  return service_->HandOffLoad([this](v1::LoadDelta delta) -> absl::Status {
+    v1::HeartbeatRequest req;
+    {
+      absl::MutexLock lock(&mu_);
+      MergeDelta(delta, &unsent_);
+      req.set_shard_id(shard_id_);
+      *req.mutable_load() = unsent_;
+    }
+    req.set_ready_map_version(service_->active_version());
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+    v1::HeartbeatResponse resp;
+    grpc::Status s = stub_->Heartbeat(&ctx, req, &resp);
+    if (s.ok()) {
+      absl::MutexLock lock(&mu_);
+      unsent_.Clear();
+      return absl::OkStatus();
+    }
+    if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
+      LOG(WARNING) << "coordinator forgot this shard; registering again";
+      (void)Register();
+    }
+    return FromGrpcStatus(s);
+  });
 }
 
 void CoordinatorLink::HeartbeatLoop() {

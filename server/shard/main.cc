@@ -4,11 +4,13 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "glog/logging.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -138,15 +140,21 @@ int Run(const ShardOptions& o) {
     }
   }
   // Serving once weights are active; the health status tracks that from a small waiter thread.
-  std::thread ready_watch([&service, health] {
-    while (service.active_version() == 0) absl::SleepFor(absl::Milliseconds(20));
+  // It is joined before shutdown: detached, it could outlive `service` and `server` when a stop
+  // signal came soon after start-up (it crashed the process on exit).
+  absl::Notification stop_ready_watch;
+  std::thread ready_watch([&service, &stop_ready_watch, health] {
+    while (service.active_version() == 0) {
+      if (stop_ready_watch.WaitForNotificationWithTimeout(absl::Milliseconds(20))) return;
+    }
     health->SetServingStatus(true);
   });
-  ready_watch.detach();
 
   int sig = 0;
   sigwait(&stop_signals, &sig);
   LOG(INFO) << "signal " << sig << ": draining";
+  stop_ready_watch.Notify();
+  ready_watch.join();
   health->SetServingStatus(false);
   service.StartDraining();
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(o.drain_seconds)));

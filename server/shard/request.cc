@@ -75,13 +75,19 @@ absl::StatusOr<HostTensor> DecodeHidden(const v1::HiddenStates& hs, int64_t hidd
   }
 }
 
-absl::StatusOr<RoutingParams> RoutingFromSpec(const v1::RoutingSpec& spec, int32_t default_k) {
+absl::StatusOr<RoutingParams> RoutingFromSpec(const v1::RoutingSpec& spec, int32_t num_experts,
+                                              int32_t default_k) {
   absl::StatusOr<RoutingMethod> method =
       ParseRoutingMethod(spec.method().empty() ? "renormalize" : spec.method());
   if (!method.ok()) return Prefix(method.status(), "routing.method: ");
   RoutingParams p;
   p.method = *method;
   p.top_k = spec.top_k() > 0 ? spec.top_k() : default_k;
+  // Checked here, not only in Route: the caller sizes [T, top_k] buffers from it first.
+  if (p.top_k > num_experts) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("routing.top_k: ", p.top_k, " outside [1, ", num_experts, "]"));
+  }
   p.n_group = spec.n_group() > 0 ? spec.n_group() : 1;
   p.topk_group = spec.topk_group() > 0 ? spec.topk_group() : 1;
   p.routed_scaling_factor = spec.routed_scaling_factor() != 0 ? spec.routed_scaling_factor() : 1.f;
@@ -101,7 +107,8 @@ absl::Status StageTopk(const v1::ForwardRequest& req, const ServedModel& model, 
         !s.ok()) {
       return s;
     }
-    absl::StatusOr<RoutingParams> params = RoutingFromSpec(req.routing(), model.top_k);
+    absl::StatusOr<RoutingParams> params =
+        RoutingFromSpec(req.routing(), model.num_experts, model.top_k);
     if (!params.ok()) return params.status();
     staged.routed_ids = HostTensor(DType::kI32, {t, params->top_k});
     staged.routed_weights = HostTensor(DType::kF32, {t, params->top_k});

@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 #include "kernels/formats.h"
@@ -154,7 +155,9 @@ grpc::Status ExpertShardService::GetInfo(grpc::ServerContext*, const v1::GetInfo
   info->set_shard_id(identity_.shard_id);
   info->set_address(identity_.address);
   if (current_) {
-    info->set_weight_format(std::string(WeightFormatName(current_->weights->layer(0).format)));
+    // The proto documents lower-case names ("mxfp4"); WeightFormatName is upper-case.
+    info->set_weight_format(
+        absl::AsciiStrToLower(WeightFormatName(current_->weights->layer(0).format)));
     for (int32_t s : current_->placement->hosted_slots()) info->add_hosted_slots(s);
     info->set_map_version(current_->placement->version());
     info->set_ready(true);
@@ -190,8 +193,15 @@ v1::LoadDelta ExpertShardService::TakeLoadDelta() {
   return out;
 }
 
+absl::Status ExpertShardService::HandOffLoad(
+    absl::FunctionRef<absl::Status(v1::LoadDelta)> send) {
+  absl::MutexLock lock(&handoff_mu_);
+  return send(TakeLoadDelta());
+}
+
 grpc::Status ExpertShardService::CollectLoad(grpc::ServerContext*, const v1::CollectLoadRequest*,
                                              v1::LoadDelta* response) {
+  absl::MutexLock lock(&handoff_mu_);
   *response = TakeLoadDelta();
   return grpc::Status::OK;
 }

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/backend.h"
@@ -43,8 +44,14 @@ class ExpertShardService final : public v1::ExpertShard::Service {
   // New Forward calls get UNAVAILABLE from now on.
   void StartDraining() { draining_.store(true); }
 
-  // Takes the pending load and executor stats for a heartbeat.
-  v1::LoadDelta TakeLoadDelta();
+  // Takes the load and executor stats counted since the last hand-off and passes them to `send`
+  // (the heartbeat RPC), returning its status. The hand-off lock is held until `send` returns and
+  // CollectLoad takes it too, so a coordinator collecting load while a heartbeat is in flight
+  // gets the shard's answer only after that heartbeat's delta has reached it: a refreshed
+  // GetLoadStats never misses counts that were on the wire. (A delta whose heartbeat failed is
+  // the caller's to resend.)
+  absl::Status HandOffLoad(absl::FunctionRef<absl::Status(v1::LoadDelta)> send)
+      ABSL_LOCKS_EXCLUDED(handoff_mu_);
 
   grpc::Status Forward(grpc::ServerContext* ctx, const v1::ForwardRequest* request,
                        v1::ForwardResponse* response) override;
@@ -64,6 +71,7 @@ class ExpertShardService final : public v1::ExpertShard::Service {
     std::shared_ptr<const LoadedWeights> weights;
   };
 
+  v1::LoadDelta TakeLoadDelta() ABSL_EXCLUSIVE_LOCKS_REQUIRED(handoff_mu_);
   absl::Status DoForward(const v1::ForwardRequest& request, v1::ForwardResponse* response);
   // The snapshot serving `map_version` (0: the current one); FAILED_PRECONDITION when stale.
   absl::StatusOr<std::shared_ptr<const Snapshot>> SnapshotFor(uint64_t map_version) const;
@@ -74,6 +82,7 @@ class ExpertShardService final : public v1::ExpertShard::Service {
   LoadCounter load_;
   std::atomic<bool> draining_{false};
   absl::Mutex activate_mu_;  // serializes Activate
+  absl::Mutex handoff_mu_;   // serializes load hand-offs (HandOffLoad, CollectLoad)
   mutable absl::Mutex mu_;
   std::shared_ptr<const Snapshot> current_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<const Snapshot> previous_ ABSL_GUARDED_BY(mu_);
