@@ -17,18 +17,30 @@ namespace {
 
 constexpr int kMaxMessageBytes = 256 << 20;
 
+// Longest pause between two attempts of a Forward (a shard that went down is removed from the
+// map within a few heartbeat intervals; polling the map faster than that gains nothing).
+constexpr absl::Duration kMaxRetryPause = absl::Milliseconds(50);
+
+bool Serving(const v1::ShardEntry& shard) {
+  return shard.state() == v1::SHARD_ACTIVE || shard.state() == v1::SHARD_DRAINING;
+}
+
 bool Retryable(const absl::Status& s) {
-  return s.code() == absl::StatusCode::kUnavailable ||
+  // Experts without a live replica fail fast: retrying cannot help until they are reloaded.
+  return (s.code() == absl::StatusCode::kUnavailable &&
+          !absl::StrContains(s.message(), kNoLiveReplica)) ||
          (s.code() == absl::StatusCode::kFailedPrecondition &&
           absl::StrContains(s.message(), "stale map version"));
 }
 
 bool AllReady(const v1::ClusterMap& map) {
-  if (map.shards_size() == 0) return false;
+  bool any = false;
   for (const auto& s : map.shards()) {
+    if (!Serving(s)) continue;  // removed shards do not count
     if (!s.ready()) return false;
+    any = true;
   }
-  return true;
+  return any;
 }
 
 }  // namespace
@@ -87,6 +99,19 @@ absl::Status MoeClient::InstallMap(const v1::ClusterMap& map) {
     if (!lp.ok()) return lp.status();
     state->layers.push_back(*std::move(lp));
   }
+  state->serving.assign(map.shards_size(), false);
+  std::vector<bool> hosts(map.shards_size(), false);
+  for (uint32_t rank : map.slot_to_rank()) {
+    if (rank < hosts.size()) hosts[rank] = true;
+  }
+  state->shared_fallback_rank = -1;
+  for (int r = 0; r < map.shards_size(); ++r) {
+    state->serving[r] = Serving(map.shards(r));
+    if (state->shared_fallback_rank < 0 && state->serving[r] && hosts[r]) {
+      state->shared_fallback_rank = r;
+    }
+  }
+  state->shared_fallback_rank = std::max(state->shared_fallback_rank, 0);
   absl::MutexLock lock(&mu_);
   if (!state_ || state_->map.version() <= map.version()) state_ = std::move(state);
   return absl::OkStatus();
@@ -166,7 +191,8 @@ absl::StatusOr<ForwardResult> MoeClient::Forward(int layer, const TensorView& hi
     }
     last = result.status();
     if (!Retryable(last) || absl::Now() >= deadline) return last;
-    absl::SleepFor(std::min(absl::Milliseconds(5 * attempt), deadline - absl::Now()));
+    absl::SleepFor(
+        std::min({absl::Milliseconds(5 * attempt), kMaxRetryPause, deadline - absl::Now()}));
     (void)RefreshMap();  // a failed refresh shows up as the next attempt's error
   }
 }

@@ -80,6 +80,11 @@ class MoeClient {
   struct MapState {
     v1::ClusterMap map;
     std::vector<LayerPlacement> layers;
+    // By rank: whether the shard serves (not removed). Routes to a removed rank fail fast.
+    std::vector<bool> serving;
+    // The rank that adds the shared-expert output of a token with no route: the lowest serving
+    // rank that hosts a slot.
+    int shared_fallback_rank = 0;
   };
   struct ShardCall;
 
@@ -102,6 +107,10 @@ class MoeClient {
   std::unique_ptr<grpc::ClientContext> watch_ctx_ ABSL_GUARDED_BY(mu_);
   std::thread watcher_;
 };
+
+// Text in the UNAVAILABLE error of a call that routes to experts with no live replica (their only
+// shard was removed; the survivors are loading them). Such calls fail fast, without retries.
+inline constexpr char kNoLiveReplica[] = "no live replica";
 
 // Channel arguments shared by every moe-serve client: message limits raised to 256 MiB.
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);

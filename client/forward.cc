@@ -2,6 +2,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "client/client.h"
 #include "client/dispatch.h"
@@ -94,8 +95,18 @@ absl::StatusOr<ForwardResult> MoeClient::ForwardOnce(
   const v1::ClusterMap& map = state.map;
   absl::StatusOr<DispatchPlan> plan = PlanDispatch(
       state.layers[layer], absl::MakeConstSpan(map.slot_to_rank().data(), map.slot_to_rank_size()),
-      map.shards_size(), topk_ids, options.is_padding, options.shared_experts);
+      map.shards_size(), topk_ids, options.is_padding, options.shared_experts,
+      state.shared_fallback_rank);
   if (!plan.ok()) return plan.status();
+  const std::vector<int32_t> lost = ExpertsOnLostRanks(
+      state.layers[layer],
+      absl::MakeConstSpan(map.slot_to_rank().data(), map.slot_to_rank_size()), state.serving,
+      *plan, topk_ids);
+  if (!lost.empty()) {
+    return absl::UnavailableError(absl::StrCat(
+        "layer ", layer, ": experts ", absl::StrJoin(lost, ","), " have ", kNoLiveReplica,
+        " (their shard was removed; the survivors are loading them); map version ", map.version()));
+  }
   const int64_t k = topk_ids.dim(1);
   std::vector<std::unique_ptr<ShardCall>> calls;
   for (int rank = 0; rank < map.shards_size(); ++rank) {

@@ -1,10 +1,23 @@
 #!/usr/bin/env bash
 # The moe-serve demo: a local cluster (coordinator + CPU shards) on a generated model, a verified
 # client workload, the load table, then a clean shutdown. Run through `./moe demo`, which builds
-# the binaries first.
+# the binaries first, or as bin/moe-demo of an extracted runtime bundle (`./moe bundle`), which
+# runs the bundle's launchers.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-BIN="$ROOT/bazel-bin"
+if [[ -x "$ROOT/bin/moe-shard" ]]; then  # an extracted bundle: this script is bin/moe-demo
+  COORDINATOR_BIN="$ROOT/bin/moe-coordinator"
+  SHARD_BIN="$ROOT/bin/moe-shard"
+  MOECTL_BIN="$ROOT/bin/moectl"
+  MODEL_CACHE=""  # the bundle may be read-only: the model goes to the run's temporary directory
+  BUILD_HINT="the bundle is incomplete; extract it again"
+else
+  COORDINATOR_BIN="$ROOT/bazel-bin/server/coordinator/moe_coordinator"
+  SHARD_BIN="$ROOT/bazel-bin/server/shard/moe_shard"
+  MOECTL_BIN="$ROOT/bazel-bin/client/moectl/moectl"
+  MODEL_CACHE="$ROOT/.cache"
+  BUILD_HINT="run ./moe demo (it builds first)"
+fi
 
 FORMAT=mxfp4
 SHARDS=2
@@ -58,8 +71,8 @@ while (($#)); do
   esac
 done
 
-for b in server/coordinator/moe_coordinator server/shard/moe_shard client/moectl/moectl; do
-  [[ -x "$BIN/$b" ]] || { echo "demo: $BIN/$b missing; run ./moe demo (it builds first)" >&2; exit 1; }
+for b in "$COORDINATOR_BIN" "$SHARD_BIN" "$MOECTL_BIN"; do
+  [[ -x "$b" ]] || { echo "demo: $b missing; $BUILD_HINT" >&2; exit 1; }
 done
 
 WORK="$(mktemp -d)"
@@ -72,11 +85,11 @@ cleanup() {
 trap cleanup EXIT
 
 if [[ -z "$MODEL" ]]; then
-  MODEL="$ROOT/.cache/demo-model-$FORMAT"
+  MODEL="${MODEL_CACHE:-$WORK}/demo-model-$FORMAT"
   if [[ ! -f "$MODEL/config.json" ]]; then
     extra=()
     [[ "$FORMAT" == nvfp4 ]] && extra=(--shared_experts=1)
-    "$BIN/client/moectl/moectl" gen-model --out "$MODEL" --format "$FORMAT" --layers 4 \
+    "$MOECTL_BIN" gen-model --out "$MODEL" --format "$FORMAT" --layers 4 \
       --experts 16 --top_k 4 --hidden 512 --intermediate 256 --files 2 "${extra[@]}"
   fi
 fi
@@ -94,23 +107,23 @@ wait_port() {
 }
 
 echo "== starting coordinator and $SHARDS shards (model $MODEL, backend $BACKEND)"
-"$BIN/server/coordinator/moe_coordinator" --port 0 --port_file "$WORK/coord.port" \
+"$COORDINATOR_BIN" --port 0 --port_file "$WORK/coord.port" \
   --num_shards "$SHARDS" --redundant_slots "$REDUNDANT" 2>"$WORK/coordinator.log" &
 PIDS+=($!)
 COORD="127.0.0.1:$(wait_port "$WORK/coord.port" "${PIDS[0]}")"
 for i in $(seq 0 $((SHARDS - 1))); do
-  "$BIN/server/shard/moe_shard" --model "$MODEL" --coordinator "$COORD" --port 0 \
+  "$SHARD_BIN" --model "$MODEL" --coordinator "$COORD" --port 0 \
     --port_file "$WORK/shard$i.port" --rank "$i" --backend "$BACKEND" 2>"$WORK/shard$i.log" &
   PIDS+=($!)
 done
 for i in $(seq 0 $((SHARDS - 1))); do
   wait_port "$WORK/shard$i.port" "${PIDS[$((i + 1))]}" >/dev/null
 done
-"$BIN/client/moectl/moectl" map --coordinator "$COORD" | head -n $((SHARDS + 1))
+"$MOECTL_BIN" map --coordinator "$COORD" | head -n $((SHARDS + 1))
 
 echo "== workload: $STEPS forwards x $TOKENS tokens, $CLIENTS clients, skew $SKEW"
 status=0
-"$BIN/client/moectl/moectl" workload --coordinator "$COORD" --model "$MODEL" --steps "$STEPS" \
+"$MOECTL_BIN" workload --coordinator "$COORD" --model "$MODEL" --steps "$STEPS" \
   --tokens "$TOKENS" --clients "$CLIENTS" --skew "$SKEW" || status=$?
 if ((status != 0)); then
   echo "== demo FAILED; last log lines:" >&2

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/reference_backend.h"
+#include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/device.h"
 
 namespace moe {
@@ -19,8 +20,7 @@ absl::StatusOr<std::unique_ptr<ExpertBackend>> CreateBackend(absl::string_view n
     if (cuda::DeviceCount(&why) == 0) {
       return absl::FailedPreconditionError(absl::StrCat("--backend=cuda: ", why));
     }
-    return absl::UnimplementedError(
-        "--backend=cuda: the CUDA expert kernels are not in this build yet; use --backend=cpu");
+    return MakeCudaExpertBackend();
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown backend '", name, "' (expected auto, cpu, cpu-reference or cuda)"));

@@ -85,11 +85,11 @@ absl::StatusOr<LayerPlacement> LayerPlacement::Create(absl::Span<const int32_t> 
   placement.replica_count_.assign(num_logical, 0);
   for (size_t p = 0; p < physical_to_logical.size(); ++p) {
     const int32_t e = physical_to_logical[p];
-    if (e < 0 || e >= num_logical) {
+    if (e < -1 || e >= num_logical) {
       return absl::InvalidArgumentError(
-          absl::StrCat("physical_to_logical[", p, "] = ", e, " outside [0, ", num_logical, ")"));
+          absl::StrCat("physical_to_logical[", p, "] = ", e, " outside [-1, ", num_logical, ")"));
     }
-    ++placement.replica_count_[e];
+    if (e >= 0) ++placement.replica_count_[e];
   }
   for (int32_t e = 0; e < num_logical; ++e) {
     if (placement.replica_count_[e] == 0) {
@@ -105,6 +105,7 @@ absl::StatusOr<LayerPlacement> LayerPlacement::Create(absl::Span<const int32_t> 
   std::vector<int32_t> filled(num_logical, 0);
   for (int32_t p = 0; p < placement.num_physical(); ++p) {
     const int32_t e = physical_to_logical[p];
+    if (e < 0) continue;  // vacant
     placement.logical_to_physical_[static_cast<size_t>(e) * max_replicas + filled[e]++] = p;
   }
   return placement;

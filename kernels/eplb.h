@@ -22,8 +22,9 @@ namespace moe {
 // Placement of one layer: which physical slot holds which logical expert.
 class LayerPlacement {
  public:
-  // physical_to_logical [P]: every entry in [0, num_logical), every logical expert present at
-  // least once. INVALID_ARGUMENT otherwise.
+  // physical_to_logical [P]: every entry in [-1, num_logical), every logical expert present at
+  // least once. -1 marks a vacant slot (its shard was removed from the cluster): it holds no
+  // expert and no route maps to it. INVALID_ARGUMENT otherwise.
   static absl::StatusOr<LayerPlacement> Create(absl::Span<const int32_t> physical_to_logical,
                                                int32_t num_logical);
   // The identity placement: P = E, slot e holds expert e.

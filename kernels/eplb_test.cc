@@ -51,12 +51,28 @@ TEST(LayerPlacementTest, Identity) {
   for (uint32_t h : {0u, 1u, 2654435769u, 0xFFFFFFFFu}) EXPECT_EQ(p.MapToPhysical(2, h), 2);
 }
 
+TEST(LayerPlacementTest, VacantSlotsHoldNothingAndAreNeverChosen) {
+  // Slots 1 and 4 are vacant: expert 0 keeps slots {0, 3}, expert 1 only slot 2.
+  const std::vector<int32_t> p2l = {0, -1, 1, 0, -1};
+  absl::StatusOr<LayerPlacement> p = LayerPlacement::Create(p2l, 2);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_THAT(p->replica_count(), ElementsAre(2, 1));
+  EXPECT_THAT(p->logical_to_physical(), ElementsAre(0, 3, 2, -1));
+  // h even -> replica 0, odd -> replica 1 for expert 0; expert 1 always slot 2.
+  EXPECT_EQ(p->MapToPhysical(0, 4), 0);
+  EXPECT_EQ(p->MapToPhysical(0, 7), 3);
+  EXPECT_EQ(p->MapToPhysical(1, 7), 2);
+  // Only vacant slots for an expert: it has no slot.
+  EXPECT_EQ(LayerPlacement::Create(std::vector<int32_t>{0, -1}, 2).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(LayerPlacementTest, CreateRejectsBadInputs) {
   const std::vector<std::pair<std::vector<int32_t>, int32_t>> bad = {
       {{0, 1}, 0},      // no logical experts
       {{0, 1}, -2},     // negative count
       {{}, 1},          // expert 0 has no slot
-      {{0, -1, 1}, 2},  // negative entry
+      {{0, -2, 1}, 2},  // negative entry other than -1 (vacant)
       {{0, 2, 1}, 2},   // entry >= E
       {{0, 0, 2}, 3},   // expert 1 missing
   };

@@ -147,6 +147,15 @@ int ChildProcess::Stop(absl::Duration grace) {
   return wait_status_;
 }
 
+int ChildProcess::Kill() {
+  if (!Running()) return wait_status_;
+  kill(pid_, SIGKILL);
+  int status = 0;
+  if (waitpid(pid_, &status, 0) == pid_) wait_status_ = status;
+  reaped_ = true;
+  return wait_status_;
+}
+
 absl::StatusOr<int> ChildProcess::WaitForPortFile(const std::string& port_file,
                                                   absl::Time deadline) {
   while (true) {
@@ -195,6 +204,8 @@ absl::Status LocalCluster::Launch() {
   if (options_.heartbeat_ms > 0) {
     coord_args.push_back(absl::StrCat("--heartbeat_ms=", options_.heartbeat_ms));
   }
+  coord_args.insert(coord_args.end(), options_.coordinator_flags.begin(),
+                    options_.coordinator_flags.end());
   absl::StatusOr<std::unique_ptr<ChildProcess>> coordinator =
       ChildProcess::Spawn("moe_coordinator", RunfilePath("server/coordinator/moe_coordinator"),
                           coord_args, dir_ + "/coordinator.log");
@@ -212,6 +223,10 @@ absl::Status LocalCluster::Launch() {
                                      absl::StrCat("--rank=", rank),
                                      absl::StrCat("--backend=", options_.backend)};
     args.insert(args.end(), options_.shard_flags.begin(), options_.shard_flags.end());
+    if (rank < static_cast<int>(options_.shard_flags_by_rank.size())) {
+      const std::vector<std::string>& own = options_.shard_flags_by_rank[rank];
+      args.insert(args.end(), own.begin(), own.end());
+    }
     absl::StatusOr<std::unique_ptr<ChildProcess>> shard = ChildProcess::Spawn(
         absl::StrCat("moe_shard rank ", rank), RunfilePath("server/shard/moe_shard"), args,
         absl::StrCat(dir_, "/shard", rank, ".log"));
@@ -242,6 +257,7 @@ LocalCluster::~LocalCluster() {
   const std::vector<int> statuses = Stop();
   if (started_) {
     for (size_t i = 0; i < statuses.size(); ++i) {
+      if (i < killed_.size() && killed_[i]) continue;
       ExpectCleanExit(i < shards_.size() ? *shards_[i] : *coordinator_, statuses[i]);
     }
   }
@@ -254,6 +270,12 @@ std::vector<int> LocalCluster::Stop() {
   for (auto& shard : shards_) statuses.push_back(shard->Stop());
   if (coordinator_) statuses.push_back(coordinator_->Stop());
   return statuses;
+}
+
+void LocalCluster::KillShard(int rank) {
+  killed_.resize(shards_.size(), false);
+  killed_[rank] = true;
+  shards_[rank]->Kill();
 }
 
 std::string LocalCluster::shard_address(int rank) const {

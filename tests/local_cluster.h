@@ -51,6 +51,8 @@ class ChildProcess {
   // SIGTERM, then waits up to `grace` for the exit; SIGKILL after that. Returns the wait status
   // as waitpid reported it (-1 if unknown). Idempotent: later calls return the same status.
   int Stop(absl::Duration grace = absl::Seconds(15));
+  // SIGKILL (a crash, as with `kill -9`) and reap; returns the wait status.
+  int Kill();
   // True while the process has not exited (reaps it when it has).
   bool Running();
   // Polls `port_file` until it holds a complete "PORT\n" line, the process exits or `deadline`
@@ -84,6 +86,10 @@ struct LocalClusterOptions {
   int heartbeat_ms = 0;
   // Extra flags for every shard (e.g. "--max_batch_wait_us=200").
   std::vector<std::string> shard_flags;
+  // Extra flags for the shard of rank r only (index r; may be shorter than num_shards).
+  std::vector<std::vector<std::string>> shard_flags_by_rank;
+  // Extra flags for the coordinator (e.g. "--metrics_per_expert").
+  std::vector<std::string> coordinator_flags;
   absl::Duration start_timeout = absl::Seconds(60);
 };
 
@@ -104,6 +110,8 @@ class LocalCluster {
   int num_shards() const { return options_.num_shards; }
   // Every process's log, headed by its name.
   std::string Logs() const;
+  // SIGKILLs shard `rank` (fault injection); its exit is not checked at teardown.
+  void KillShard(int rank);
   // Closes the client and stops the shards, then the coordinator; returns their wait statuses
   // in that order. Idempotent (the destructor calls it).
   std::vector<int> Stop();
@@ -119,6 +127,7 @@ class LocalCluster {
   std::string coordinator_address_;
   std::unique_ptr<MoeClient> client_;
   bool started_ = false;  // every process came up: their exits are checked
+  std::vector<bool> killed_;  // by rank: killed on purpose
 };
 
 // One shard with no coordinator, serving every expert of `model_dir` under map version 1.

@@ -1,4 +1,5 @@
 // moectl: the operator's and developer's command line for moe-serve.
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <random>
@@ -11,6 +12,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "client/moectl/admin.h"
+#include "client/moectl/heatmap.h"
 #include "client/moectl/tables.h"
 #include "client/moectl/workload.h"
 #include "grpcpp/grpcpp.h"
@@ -38,6 +41,17 @@ ABSL_FLAG(int, clients, 2, "workload: concurrent client threads");
 ABSL_FLAG(double, skew, 1.2, "workload: Zipf-like routing skew (0 = the router's own)");
 ABSL_FLAG(int, layer, 0, "forward: layer");
 ABSL_FLAG(bool, refresh, true, "load: collect the shards' pending load first");
+ABSL_FLAG(bool, dry_run, false, "rebalance: plan and report only");
+ABSL_FLAG(double, min_gain, 0.0,
+          "rebalance: re-place a layer only when its predicted balancedness gains this much");
+ABSL_FLAG(double, window_seconds, 0, "rebalance: load window to plan with (0: the coordinator's)");
+ABSL_FLAG(bool, wait, true, "rebalance/drain: wait until the new map version is committed");
+ABSL_FLAG(int, timeout_seconds, 120, "rebalance/drain: how long to wait for the coordinator");
+ABSL_FLAG(std::string, shard_id, "", "drain: the shard to drain (see `moectl map`)");
+ABSL_FLAG(bool, heatmap, false, "load: print a layers x experts heatmap instead of the table");
+ABSL_FLAG(int, heatmap_width, 0,
+          "load --heatmap: fold experts so a row fits this many characters (0: one per expert)");
+ABSL_FLAG(std::string, heatmap_svg, "", "load: also write the heatmap as an SVG file here");
 
 namespace moe {
 namespace {
@@ -49,8 +63,13 @@ constexpr char kUsage[] =
     "            --intermediate --files --activation --shared_experts --seed]\n"
     "                      write a synthetic checkpoint (gpt-oss MXFP4 or ModelOpt NVFP4 layout)\n"
     "  map       [--coordinator]            show the cluster map\n"
-    "  load      [--coordinator]            per-layer expert-load table\n"
+    "  load      [--coordinator --heatmap --heatmap_width N --heatmap_svg FILE]\n"
+    "                      per-layer expert-load table, or a layers x experts heatmap\n"
     "  info      --shard HOST:PORT          describe one shard\n"
+    "  rebalance [--coordinator --dry_run --min_gain --window_seconds --wait]\n"
+    "                      EPLB plan from the load window: report it, or switch to it live\n"
+    "  drain     --shard_id ID [--coordinator --wait]\n"
+    "                      move a shard's slots to the others (two-phase), then stop it\n"
     "  forward   [--coordinator --layer --tokens --seed]\n"
     "                      send one random routed batch through the cluster, print a summary\n"
     "  workload  --model DIR [--coordinator --steps --tokens --clients --skew --seed]\n"
@@ -105,7 +124,22 @@ int Load() {
   if (!c.ok()) return Fail(c.status());
   absl::StatusOr<v1::LoadStats> stats = (*c)->GetLoadStats(absl::GetFlag(FLAGS_refresh));
   if (!stats.ok()) return Fail(stats.status());
-  std::cout << FormatLoadTable(*stats);
+  const HeatmapGrid grid = GridFromLoadStats(*stats);
+  if (absl::GetFlag(FLAGS_heatmap)) {
+    std::cout << RenderTerminalHeatmap(grid, {.max_width = absl::GetFlag(FLAGS_heatmap_width)});
+  } else {
+    std::cout << FormatLoadTable(*stats);
+  }
+  const std::string svg_path = absl::GetFlag(FLAGS_heatmap_svg);
+  if (!svg_path.empty()) {
+    const std::string title = absl::StrCat("expert load, map version ", stats->map_version(), ", ",
+                                           stats->total_routes(), " routes");
+    std::ofstream out(svg_path, std::ios::binary | std::ios::trunc);
+    out << RenderSvgHeatmap(grid, {.title = title});
+    out.close();
+    if (!out) return Fail(absl::UnavailableError(absl::StrCat("cannot write ", svg_path)));
+    std::cerr << "wrote " << svg_path << "\n";
+  }
   return 0;
 }
 
@@ -169,6 +203,29 @@ int Workload() {
   return 0;
 }
 
+int Rebalance() {
+  v1::RebalanceRequest request;
+  request.set_dry_run(absl::GetFlag(FLAGS_dry_run));
+  request.set_min_gain(absl::GetFlag(FLAGS_min_gain));
+  request.set_window_seconds(absl::GetFlag(FLAGS_window_seconds));
+  request.set_wait(absl::GetFlag(FLAGS_wait));
+  absl::Status s = RunRebalance(absl::GetFlag(FLAGS_coordinator), request,
+                                absl::Seconds(absl::GetFlag(FLAGS_timeout_seconds)), std::cout);
+  return s.ok() ? 0 : Fail(s);
+}
+
+int Drain() {
+  v1::DrainRequest request;
+  request.set_shard_id(absl::GetFlag(FLAGS_shard_id));
+  if (request.shard_id().empty()) {
+    return Fail(absl::InvalidArgumentError("drain needs --shard_id (see `moectl map`)"));
+  }
+  request.set_wait(absl::GetFlag(FLAGS_wait));
+  absl::Status s = RunDrain(absl::GetFlag(FLAGS_coordinator), request,
+                            absl::Seconds(absl::GetFlag(FLAGS_timeout_seconds)), std::cout);
+  return s.ok() ? 0 : Fail(s);
+}
+
 }  // namespace
 }  // namespace moe
 
@@ -186,6 +243,8 @@ int main(int argc, char** argv) {
   if (cmd == "info") return moe::Info();
   if (cmd == "forward") return moe::Forward();
   if (cmd == "workload") return moe::Workload();
+  if (cmd == "rebalance") return moe::Rebalance();
+  if (cmd == "drain") return moe::Drain();
   std::cerr << "moectl: unknown command '" << cmd << "'\n\n" << moe::kUsage;
   return 2;
 }

@@ -59,7 +59,9 @@ absl::StatusOr<TensorView> ViewOf(const v1::Tensor& t, absl::string_view field) 
     if (d < 0) {
       return absl::InvalidArgumentError(absl::StrCat(field, ": negative dimension ", d));
     }
-    if (d != 0 && elements > kMaxWireElements / d) {
+    // Each dimension is bounded on its own as well: after a zero dimension the product bounds
+    // nothing, and callers scale dimensions (NVFP4's two values per byte, [T, H] outputs).
+    if (d > kMaxWireElements || (d != 0 && elements > kMaxWireElements / d)) {
       return absl::InvalidArgumentError(absl::StrCat(field, ": shape too large"));
     }
     elements *= d;

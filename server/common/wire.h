@@ -1,7 +1,7 @@
 // Conversions between moe.v1.Tensor (the wire form) and kernels' TensorView / HostTensor.
 //
-// Decoding is the validation edge for tensor payloads: dtype known, shape non-negative with a
-// bounded element count, and a byte length that matches exactly; anything else is
+// Decoding is the validation edge for tensor payloads: dtype known, shape non-negative with every
+// dimension and the element count bounded, and a byte length that matches exactly; anything else is
 // INVALID_ARGUMENT naming the field. Views returned by ViewOf point into the message, which must
 // outlive them. Stateless: thread-safe.
 #ifndef MOE_SERVER_COMMON_WIRE_H_
@@ -14,7 +14,8 @@
 
 namespace moe {
 
-// Upper bound on elements of any one tensor on the wire (guards shape products and allocations).
+// Upper bound on elements of any one tensor on the wire, and on each of its dimensions (guards
+// shape products and allocations).
 inline constexpr int64_t kMaxWireElements = int64_t{1} << 34;
 
 absl::StatusOr<DType> FromWireDType(v1::DType dtype, absl::string_view field);

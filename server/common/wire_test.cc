@@ -44,6 +44,9 @@ TEST(WireTest, RejectsMalformedTensors) {
       {"oversize", Make(v1::F32, {2, 2}, 17)},
       {"negative dim", Make(v1::U8, {-1, 4}, 0)},
       {"overflowing shape", Make(v1::U8, {int64_t{1} << 40, int64_t{1} << 40}, 0)},
+      // Zero elements, but a dimension that overflows when a caller doubles it (found by fuzzing).
+      {"huge dim beside a zero", Make(v1::U8, {0, INT64_MAX}, 0)},
+      {"dim just over the bound beside a zero", Make(v1::U8, {(int64_t{1} << 34) + 1, 0}, 0)},
       {"unspecified dtype with data", Make(v1::DTYPE_UNSPECIFIED, {1}, 1)},
       {"unknown dtype", Make(static_cast<v1::DType>(99), {1}, 1)},
   };

@@ -1,5 +1,6 @@
 #include "server/coordinator/cluster_state.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -96,9 +97,11 @@ absl::StatusOr<v1::RegisterShardResponse> ClusterState::RegisterShard(
 
   ShardRecord record;
   if (shards_[*rank].has_value()) {
-    // The same address coming back (a restart): its counters continue, so they stay monotonic.
+    // The same address coming back (a restart), or a new shard taking over a removed rank: the
+    // rank's counters continue, so they stay monotonic.
     record = *std::move(shards_[*rank]);
     record.ready_map_version = 0;
+    record.state = v1::SHARD_ACTIVE;
   }
   record.shard_id = absl::StrCat("shard-", *rank, "-", next_shard_serial_++);
   record.address = request.address();
@@ -111,6 +114,8 @@ absl::StatusOr<v1::RegisterShardResponse> ClusterState::RegisterShard(
 
   if (version_ == 0 && RegisteredCountLocked() == options_.num_shards) {
     version_ = 1;
+    min_accepted_version_ = 1;
+    committed_at_ = options_.now();
     LOG(INFO) << "published cluster map version 1: " << options_.num_shards << " shards, "
               << num_physical_ << " slots per layer";
   }
@@ -134,18 +139,31 @@ absl::Status ClusterState::FixModelLocked(const v1::ModelShape& model) {
   model_ = model;
   const int num_logical = static_cast<int>(model.num_experts());
   num_physical_ = num_logical + options_.redundant_slots;
-  slot_to_rank_ = RankMajorSlotToRank(num_physical_, options_.num_shards);
-  if (!EveryRankHostsASlot(slot_to_rank_, options_.num_shards)) {
+  VersionPlacement initial;
+  initial.slot_to_rank = RankMajorSlotToRank(num_physical_, options_.num_shards);
+  if (!EveryRankHostsASlot(initial.slot_to_rank, options_.num_shards)) {
     LOG(WARNING) << num_physical_ << " slots over " << options_.num_shards
                  << " shards leaves the last ranks without slots (rank-major layout)";
   }
   const std::vector<int32_t> layer =
       InitialPhysicalToLogical(num_logical, options_.redundant_slots);
-  physical_to_logical_.clear();
   for (uint32_t l = 0; l < model.num_layers(); ++l) {
-    physical_to_logical_.insert(physical_to_logical_.end(), layer.begin(), layer.end());
+    initial.physical_to_logical.insert(initial.physical_to_logical.end(), layer.begin(),
+                                       layer.end());
   }
-  slot_load_.assign(physical_to_logical_.size(), 0);
+  intended_ = initial.physical_to_logical;
+  // Version 1 once every shard has registered.
+  placements_[1] = std::move(initial);
+  last_version_ = 1;
+  LoadBookOptions book;
+  book.num_layers = static_cast<int>(model.num_layers());
+  book.num_logical = num_logical;
+  book.num_physical = num_physical_;
+  book.num_shards = options_.num_shards;
+  book.bucket = options_.heartbeat_interval;
+  book.window = options_.load_window;
+  book.max_history = options_.balancedness_history;
+  book_.emplace(book, options_.now());
   return absl::OkStatus();
 }
 
@@ -153,12 +171,17 @@ absl::StatusOr<int> ClusterState::ChooseRankLocked(const v1::RegisterShardReques
   for (int r = 0; r < options_.num_shards; ++r) {
     if (shards_[r].has_value() && shards_[r]->address == request.address()) return r;
   }
+  // A rank is free when nobody holds it or its holder was removed (failed or drained).
+  auto free = [this](int r) ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return !shards_[r].has_value() || !Serving(*shards_[r]);
+  };
   const int requested = request.requested_rank();
-  if (requested >= 0 && requested < options_.num_shards && !shards_[requested].has_value()) {
-    return requested;
-  }
+  if (requested >= 0 && requested < options_.num_shards && free(requested)) return requested;
   for (int r = 0; r < options_.num_shards; ++r) {
     if (!shards_[r].has_value()) return r;
+  }
+  for (int r = 0; r < options_.num_shards; ++r) {
+    if (free(r)) return r;
   }
   return absl::ResourceExhaustedError(
       absl::StrCat("all ", options_.num_shards, " shard ranks are taken"));
@@ -172,10 +195,18 @@ absl::StatusOr<v1::HeartbeatResponse> ClusterState::Heartbeat(const v1::Heartbea
         absl::StrCat("unknown shard_id '", request.shard_id(), "': register again"));
   }
   ShardRecord& shard = *shards_[rank];
+  if (shard.state == v1::SHARD_FAILED) {
+    // Removed while it was still running (a false alarm or a partition): it must come back as a
+    // new shard, with nothing loaded.
+    return absl::NotFoundError(absl::StrCat("shard '", request.shard_id(),
+                                            "' was removed from the cluster: register again"));
+  }
   shard.last_seen = options_.now();
   const bool was_ready = IsReadyLocked(shard);
+  const uint64_t was_loaded = shard.ready_map_version;
   shard.ready_map_version = request.ready_map_version();
   if (IsReadyLocked(shard) != was_ready) MapChangedLocked();
+  if (shard.ready_map_version != was_loaded) MaybeCommitLocked();
 
   if (request.has_load()) {
     if (absl::Status s = MergeLoadDeltaLocked(rank, request.load()); !s.ok()) return s;
@@ -192,40 +223,56 @@ absl::Status ClusterState::MergeLoadDelta(const std::string& shard_id, const v1:
   return MergeLoadDeltaLocked(rank, delta);
 }
 
-absl::Status ClusterState::MergeLoadDeltaLocked(int rank, const v1::LoadDelta& delta) {
-  // A shard's model is fixed by registration, so model_ is set here.
+absl::Status ClusterState::CheckDeltaLocked(const v1::LoadDelta& delta) const {
   const int64_t num_layers = model_->num_layers();
   const int64_t num_physical = num_physical_;
   // A delta without slot counts (all dimensions 0) carries only executor totals: a shard that
   // has not seen a map yet does not know P.
-  const bool totals_only =
-      delta.num_layers() == 0 && delta.num_physical() == 0 && delta.slot_counts_size() == 0;
-  if (!totals_only) {
-    if (delta.num_layers() != num_layers || delta.num_physical() != num_physical ||
-        delta.slot_counts_size() != num_layers * num_physical) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("load delta is [", delta.num_layers(), ", ", delta.num_physical(), "] with ",
-                       delta.slot_counts_size(), " counts; the cluster has [", num_layers, ", ",
-                       num_physical, "]"));
-    }
-    for (int i = 0; i < delta.slot_counts_size(); ++i) {
-      const int64_t count = delta.slot_counts(i);
-      if (count < 0 || count > kMaxDeltaCount) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("load delta slot_counts[", i, "] = ", count, " is out of range"));
-      }
-    }
+  if (delta.num_layers() == 0 && delta.num_physical() == 0 && delta.slot_counts_size() == 0) {
+    return absl::OkStatus();
   }
-  ShardRecord& shard = *shards_[rank];
-  bool foreign = false;
+  if (delta.num_layers() != num_layers || delta.num_physical() != num_physical ||
+      delta.slot_counts_size() != num_layers * num_physical) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("load delta is [", delta.num_layers(), ", ", delta.num_physical(), "] with ",
+                     delta.slot_counts_size(), " counts; the cluster has [", num_layers, ", ",
+                     num_physical, "]"));
+  }
   for (int i = 0; i < delta.slot_counts_size(); ++i) {
     const int64_t count = delta.slot_counts(i);
-    if (count == 0) continue;
-    if (slot_to_rank_[i % num_physical] != static_cast<uint32_t>(rank)) {
-      foreign = true;
-      continue;
+    if (count < 0 || count > kMaxDeltaCount) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("load delta slot_counts[", i, "] = ", count, " is out of range"));
     }
-    slot_load_[i] += count;
+  }
+  return absl::OkStatus();
+}
+
+bool ClusterState::AddCountsLocked(int rank, const v1::LoadDelta& delta) {
+  if (delta.slot_counts_size() == 0) return false;
+  // Counts are attributed through the placement they were recorded under; 0 (a peer that does
+  // not name it) means the current map.
+  const uint64_t version = delta.map_version() > 0 ? delta.map_version() : std::max<uint64_t>(
+                                                                               version_, 1);
+  auto it = placements_.find(version);
+  if (it == placements_.end()) {
+    LOG_EVERY_N(WARNING, 100) << "load delta of rank " << rank << " names map version " << version
+                              << ", which is no longer kept; its counts are dropped";
+    return false;
+  }
+  return book_->Add(rank, it->second, delta.slot_counts(), options_.now());
+}
+
+absl::Status ClusterState::MergeLoadDeltaLocked(int rank, const v1::LoadDelta& delta) {
+  // A shard's model is fixed by registration, so model_ is set here.
+  if (absl::Status s = CheckDeltaLocked(delta); !s.ok()) return s;
+  for (const v1::LoadDelta& other : delta.other_versions()) {
+    if (absl::Status s = CheckDeltaLocked(other); !s.ok()) return s;
+  }
+  ShardRecord& shard = *shards_[rank];
+  bool foreign = AddCountsLocked(rank, delta);
+  for (const v1::LoadDelta& other : delta.other_versions()) {
+    foreign = AddCountsLocked(rank, other) || foreign;
   }
   if (foreign && !shard.warned_foreign_slots) {
     shard.warned_foreign_slots = true;
@@ -270,25 +317,13 @@ absl::StatusOr<std::optional<MapUpdate>> ClusterState::AwaitMapChange(uint64_t k
   }
 }
 
-v1::LoadStats ClusterState::GetLoadStats() const {
+v1::LoadStats ClusterState::GetLoadStats(absl::Duration window) const {
   absl::MutexLock lock(&mu_);
   v1::LoadStats stats;
   stats.set_map_version(version_);
-  if (model_.has_value()) {
-    const size_t num_physical = num_physical_;
-    const absl::Span<const int64_t> loads(slot_load_);
-    const absl::Span<const int32_t> placements(physical_to_logical_);
-    int64_t total = 0;
-    for (uint32_t l = 0; l < model_->num_layers(); ++l) {
-      *stats.add_layers() =
-          SummarizeLayerLoad(l, loads.subspan(l * num_physical, num_physical),
-                             placements.subspan(l * num_physical, num_physical), slot_to_rank_,
-                             static_cast<int>(model_->num_experts()), options_.num_shards);
-    }
-    for (int64_t load : slot_load_) total += load;
-    stats.set_total_routes(total);
-  }
+  stats.set_pending_version(pending_.has_value() ? pending_->version : 0);
   const absl::Time now = options_.now();
+  if (book_.has_value()) book_->Summarize(now, window, RanksLocked(false), &stats);
   for (int r = 0; r < options_.num_shards; ++r) {
     if (!shards_[r].has_value()) continue;
     const ShardRecord& shard = *shards_[r];
@@ -340,28 +375,40 @@ bool ClusterState::IsAliveLocked(const ShardRecord& shard, absl::Time now) const
 }
 
 bool ClusterState::IsReadyLocked(const ShardRecord& shard) const {
-  return version_ > 0 && shard.ready_map_version == version_;
+  // Shards keep the versions they loaded until told they drained, so a shard that loaded a newer
+  // (pending) version still serves the current one.
+  return version_ > 0 && Serving(shard) && shard.ready_map_version >= version_;
+}
+
+void ClusterState::FillPlacementLocked(uint64_t version, v1::ClusterMap* map) const {
+  const VersionPlacement& placement = placements_.at(version);
+  map->set_version(version);
+  *map->mutable_model() = *model_;
+  map->set_num_physical(static_cast<uint32_t>(num_physical_));
+  map->mutable_slot_to_rank()->Add(placement.slot_to_rank.begin(), placement.slot_to_rank.end());
+  const std::vector<int32_t>& p2l = placement.physical_to_logical;
+  for (size_t begin = 0; begin < p2l.size(); begin += num_physical_) {
+    map->add_layers()->mutable_physical_to_logical()->Add(p2l.begin() + begin,
+                                                          p2l.begin() + begin + num_physical_);
+  }
 }
 
 v1::ClusterMap ClusterState::BuildMapLocked() const {
   v1::ClusterMap map;
-  map.set_version(version_);
-  *map.mutable_model() = *model_;
-  map.set_num_physical(static_cast<uint32_t>(num_physical_));
+  FillPlacementLocked(version_, &map);
   for (int r = 0; r < options_.num_shards; ++r) {
     if (!shards_[r].has_value()) continue;
+    const ShardRecord& shard = *shards_[r];
     v1::ShardEntry* entry = map.add_shards();
-    entry->set_shard_id(shards_[r]->shard_id);
-    entry->set_address(shards_[r]->address);
+    entry->set_shard_id(shard.shard_id);
+    entry->set_address(shard.address);
     entry->set_rank(static_cast<uint32_t>(r));
-    entry->set_ready(IsReadyLocked(*shards_[r]));
+    // A serving shard that hosts nothing has nothing to load.
+    entry->set_ready(IsReadyLocked(shard) || (Serving(shard) && !HostsSlotLocked(r, version_)));
+    entry->set_state(shard.state);
   }
-  map.mutable_slot_to_rank()->Add(slot_to_rank_.begin(), slot_to_rank_.end());
-  for (size_t begin = 0; begin < physical_to_logical_.size(); begin += num_physical_) {
-    auto* layer = map.add_layers()->mutable_physical_to_logical();
-    layer->Add(physical_to_logical_.begin() + begin,
-               physical_to_logical_.begin() + begin + num_physical_);
-  }
+  if (pending_.has_value()) FillPlacementLocked(pending_->version, map.mutable_pending());
+  map.set_min_accepted_version(min_accepted_version_);
   return map;
 }
 

@@ -1,6 +1,16 @@
-// The coordinator's state: shard registry (ranks, heartbeats, liveness, readiness), the cluster
-// map (model shape, rank-major slot layout, per-layer placement, version) and cumulative expert
-// load merged from the shards' LoadDeltas.
+// The coordinator's state: shard registry (ranks, heartbeats, liveness, readiness, health), the
+// cluster map (model shape, slot layout, per-layer placement, version), expert load merged from
+// the shards' LoadDeltas (cumulative and windowed, LoadBook), and placement changes: EPLB
+// rebalancing, shard drains and shard failures.
+//
+// Placement changes (cluster_state_switch.cc) follow DESIGN.md section 5. A rebalance or a drain
+// prepares the next version as `pending` in the published map; shards load its slots while serving
+// the current one and report it in their heartbeats; once every serving shard that hosts a slot of
+// it is ready, it becomes the map (commit). Shards keep accepting older versions until
+// `switch_drain` after the commit (min_accepted_version). A shard that misses its heartbeats
+// (Tick) or fails a health check (ReportUnhealthy) is removed at once: a new version is committed
+// immediately in which its slots are vacant where another replica serves the expert, and a pending
+// version moves its slots to the survivors (restoring every expert and the capacity).
 //
 // Called by CoordinatorService for every RPC and by tests directly (no gRPC inside; the clock is
 // injectable). Request contents are validated here, once, and errors come back as absl::Status
@@ -13,6 +23,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -23,6 +34,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "moe/v1/coordinator.pb.h"
+#include "server/coordinator/load_book.h"
 
 namespace moe {
 
@@ -33,8 +45,22 @@ struct ClusterOptions {
   int redundant_slots = 0;
   // The interval shards are told to heartbeat at.
   absl::Duration heartbeat_interval = absl::Milliseconds(500);
-  // A shard silent for this many intervals is reported not alive.
+  // A shard silent for this many intervals is reported not alive, and removed by Tick.
   int missed_heartbeats_until_dead = 3;
+  // Load window (what rebalancing plans with) and balancedness samples kept.
+  absl::Duration load_window = absl::Seconds(60);
+  int balancedness_history = 720;
+  // After a commit, older map versions stay accepted this long (in-flight calls drain).
+  absl::Duration switch_drain = absl::Seconds(2);
+  // A pending version whose shards are not all ready by then is abandoned.
+  absl::Duration switch_timeout = absl::Seconds(60);
+  // After a removal, move the removed shard's slots to the survivors at once (they load its
+  // experts). Off, its experts without another replica stay unavailable until a rebalance (or a
+  // drain) moves them, e.g. while waiting for a replacement shard when survivors lack memory.
+  bool restore_after_failure = true;
+  // Hierarchical EPLB: nodes (ranks are node-major) and expert groups; 1 and 1 is the global policy.
+  int eplb_nodes = 1;
+  int eplb_groups = 1;
   // Time source; tests substitute a fake clock.
   std::function<absl::Time()> now = [] { return absl::Now(); };
 };
@@ -91,11 +117,47 @@ class ClusterState {
                                                           uint64_t known_generation,
                                                           absl::Time deadline) const;
 
-  // Cumulative load per layer (empty before the model is known) and per shard.
-  v1::LoadStats GetLoadStats() const;
+  // Load per layer (empty before the model is known): cumulative and over the last `window`
+  // (0: the configured load window), balancedness history, per shard totals.
+  v1::LoadStats GetLoadStats() const { return GetLoadStats(absl::ZeroDuration()); }
+  v1::LoadStats GetLoadStats(absl::Duration window) const;
 
   // Registered shards whose heartbeats are current.
   std::vector<ShardTarget> AliveShards() const;
+
+  // ---- Placement changes (cluster_state_switch.cc) ----
+
+  // Plans an EPLB placement from the load window (eplb_planner.h) over the serving shards; unless
+  // dry_run, makes it the pending version when any layer changes. UNAVAILABLE before the map is
+  // published; FAILED_PRECONDITION while another switch is pending or when no shard can take
+  // slots; ABORTED when the map changed while planning.
+  absl::StatusOr<v1::RebalancePlan> Rebalance(const v1::RebalanceRequest& request);
+
+  // Marks the shard DRAINING and makes pending a version that moves its slots to the other active
+  // shards; once that is committed and older versions have drained (Tick), the shard becomes
+  // DRAINED. NOT_FOUND for an unknown id; FAILED_PRECONDITION when it is not active, is the last
+  // active shard, or another switch is pending.
+  absl::StatusOr<v1::DrainResponse> Drain(const v1::DrainRequest& request);
+
+  // Removes a serving shard at once (see the header comment); `why` goes to the log. NOT_FOUND
+  // for an unknown id; a shard already removed is left alone.
+  absl::Status ReportUnhealthy(const std::string& shard_id, const std::string& why);
+
+  // Periodic upkeep (the coordinator calls it a few times per heartbeat interval): removes shards
+  // that missed their heartbeats, abandons a pending version past switch_timeout, commits one
+  // whose shards are ready, ends the drain period, samples balancedness.
+  void Tick();
+
+  // Shards to health-check: serving, heartbeating, and past their first weight load.
+  std::vector<ShardTarget> ProbeTargets() const;
+
+  // Blocks until map version >= `version` is committed (true), the version can no longer commit
+  // (it is not pending and the map is older: false), `deadline` passes (false) or Shutdown
+  // (UNAVAILABLE).
+  absl::StatusOr<bool> AwaitCommit(uint64_t version, absl::Time deadline) const;
+
+  // The pending version, 0 when none.
+  uint64_t pending_version() const;
 
   // Wakes every AwaitMapChange caller, which then returns UNAVAILABLE, as do later calls.
   void Shutdown();
@@ -113,6 +175,14 @@ class ClusterState {
     uint64_t batches = 0;
     uint64_t merged_batches = 0;
     bool warned_foreign_slots = false;
+    v1::ShardState state = v1::SHARD_ACTIVE;
+  };
+
+  // The next map version while a placement switch is under way.
+  struct PendingSwitch {
+    uint64_t version = 0;
+    std::string reason;
+    absl::Time started;
   };
 
   absl::Status FixModelLocked(const v1::ModelShape& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -125,8 +195,27 @@ class ClusterState {
   bool IsReadyLocked(const ShardRecord& shard) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status MergeLoadDeltaLocked(int rank, const v1::LoadDelta& delta)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckDeltaLocked(const v1::LoadDelta& delta) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  bool AddCountsLocked(int rank, const v1::LoadDelta& delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::ClusterMap BuildMapLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void FillPlacementLocked(uint64_t version, v1::ClusterMap* map) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void MapChangedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // cluster_state_switch.cc
+  static bool Serving(const ShardRecord& shard);
+  bool HostsSlotLocked(int rank, uint64_t version) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  std::vector<bool> RanksLocked(bool active_only) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  uint64_t NewVersionLocked(VersionPlacement placement) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StartSwitchLocked(VersionPlacement placement, std::string reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MaybeCommitLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemoveShardLocked(int rank, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StartRestorationLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FinishDrainLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  const VersionPlacement& CommittedLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return placements_.at(version_);
+  }
 
   const ClusterOptions options_;
 
@@ -135,9 +224,16 @@ class ClusterState {
   // Set by the first registration; the slot layout and placement below are sized from it.
   std::optional<v1::ModelShape> model_ ABSL_GUARDED_BY(mu_);
   int num_physical_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<uint32_t> slot_to_rank_ ABSL_GUARDED_BY(mu_);        // [P]
-  std::vector<int32_t> physical_to_logical_ ABSL_GUARDED_BY(mu_);  // [L * P], layer-major
-  std::vector<int64_t> slot_load_ ABSL_GUARDED_BY(mu_);            // [L * P], cumulative
+  // Placement of every version a load delta may still name: the committed one (version_), the
+  // pending one, and recent older ones. The first registration creates the initial layout.
+  std::map<uint64_t, VersionPlacement> placements_ ABSL_GUARDED_BY(mu_);
+  // The latest committed placement without vacant slots: what a restoration or drain keeps.
+  std::vector<int32_t> intended_ ABSL_GUARDED_BY(mu_);
+  std::optional<PendingSwitch> pending_ ABSL_GUARDED_BY(mu_);
+  uint64_t last_version_ ABSL_GUARDED_BY(mu_) = 0;  // newest version handed out
+  uint64_t min_accepted_version_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time committed_at_ ABSL_GUARDED_BY(mu_);
+  std::optional<LoadBook> book_ ABSL_GUARDED_BY(mu_);
   // Indexed by rank; nullopt for a rank nobody holds.
   std::vector<std::optional<ShardRecord>> shards_ ABSL_GUARDED_BY(mu_);
   uint64_t next_shard_serial_ ABSL_GUARDED_BY(mu_) = 1;

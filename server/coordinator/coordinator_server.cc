@@ -1,5 +1,7 @@
 #include "server/coordinator/coordinator_server.h"
 
+#include <algorithm>
+#include <climits>
 #include <cstdio>
 #include <utility>
 
@@ -44,6 +46,27 @@ absl::Status ValidateOptions(const CoordinatorOptions& options) {
         absl::StrCat("--heartbeat_ms must be >= 1, got ",
                      absl::FormatDuration(options.cluster.heartbeat_interval)));
   }
+  if (options.max_connection_age < absl::ZeroDuration() ||
+      options.max_connection_age > absl::Milliseconds(INT_MAX)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_connection_age_seconds must be in [0, ",
+                     absl::ToInt64Seconds(absl::Milliseconds(INT_MAX)), "], got ",
+                     absl::FormatDuration(options.max_connection_age)));
+  }
+  if (options.cluster.load_window <= absl::ZeroDuration() ||
+      options.cluster.switch_drain < absl::ZeroDuration() ||
+      options.cluster.switch_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "--load_window_seconds and --switch_timeout_seconds must be > 0, --switch_drain_ms >= 0");
+  }
+  if (options.cluster.eplb_nodes < 1 || options.cluster.eplb_groups < 1) {
+    return absl::InvalidArgumentError("--eplb_nodes and --eplb_groups must be >= 1");
+  }
+  if (options.supervisor.rebalance_interval < absl::ZeroDuration() ||
+      !(options.supervisor.rebalance_min_gain >= 0)) {
+    return absl::InvalidArgumentError(
+        "--rebalance_interval_seconds and --rebalance_min_gain must be >= 0");
+  }
   if (options.collect_timeout <= absl::ZeroDuration() || options.max_message_bytes < 1) {
     return absl::InvalidArgumentError("collect timeout and message limit must be positive");
   }
@@ -82,6 +105,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
+  if (options.max_connection_age > absl::ZeroDuration()) {
+    builder.AddChannelArgument(
+        GRPC_ARG_MAX_CONNECTION_AGE_MS,
+        static_cast<int>(absl::ToInt64Milliseconds(options.max_connection_age)));
+  }
   builder.RegisterService(server->service_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
@@ -89,6 +117,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
         absl::StrCat("cannot listen on ", JoinHostPort(options.host, options.port)));
   }
   server->address_ = JoinHostPort(options.host, server->port_);
+  SupervisorOptions supervisor = options.supervisor;
+  supervisor.probe_interval = options.cluster.heartbeat_interval;
+  supervisor.tick = std::max(options.cluster.heartbeat_interval / 5, absl::Milliseconds(10));
+  server->supervisor_ = std::make_unique<Supervisor>(server->state_.get(), supervisor);
+  server->supervisor_->Start();
   if (!options.port_file.empty()) {
     if (absl::Status s = WritePortFile(options.port_file, server->port_); !s.ok()) return s;
   }
@@ -104,6 +137,7 @@ void CoordinatorServer::Shutdown(absl::Duration grace) {
   absl::MutexLock lock(&shutdown_mu_);
   if (shut_down_ || server_ == nullptr) return;
   shut_down_ = true;
+  if (supervisor_ != nullptr) supervisor_->Stop();
   // Watch streams block on the state; they must end first or Shutdown would wait out the grace.
   state_->Shutdown();
   server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));

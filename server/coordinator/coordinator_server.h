@@ -19,6 +19,7 @@
 #include "grpcpp/server.h"
 #include "server/coordinator/cluster_state.h"
 #include "server/coordinator/coordinator_service.h"
+#include "server/coordinator/supervisor.h"
 
 namespace moe {
 
@@ -32,6 +33,12 @@ struct CoordinatorOptions {
   absl::Duration collect_timeout = absl::Seconds(2);
   // Send and receive limit on every channel (gRPC's default receive limit is 4 MiB).
   int max_message_bytes = 64 << 20;
+  // Connections are closed (GOAWAY) after this age so that clients behind a DNS name re-resolve
+  // and reach new pods; in-flight calls and watch streams keep their connection. Zero: never.
+  absl::Duration max_connection_age = absl::Minutes(5);
+  // Background upkeep: liveness, switch commits, health checks, periodic rebalancing. Start sets
+  // its tick and probe interval from the heartbeat interval.
+  SupervisorOptions supervisor;
 };
 
 // INVALID_ARGUMENT naming the first out-of-range option.
@@ -67,6 +74,7 @@ class CoordinatorServer {
 
   std::unique_ptr<ClusterState> state_;
   std::unique_ptr<CoordinatorService> service_;
+  std::unique_ptr<Supervisor> supervisor_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   std::string address_;

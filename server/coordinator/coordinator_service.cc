@@ -1,5 +1,6 @@
 #include "server/coordinator/coordinator_service.h"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -16,6 +17,9 @@ namespace {
 // How often a blocked WatchClusterMap looks whether its client went away: the sync API has no
 // cancellation callback, so the wait on the state is cut into slices of this length.
 constexpr absl::Duration kWatchCancelPoll = absl::Milliseconds(100);
+
+// Longest a Rebalance or Drain with `wait` blocks when the caller set no deadline.
+constexpr absl::Duration kMaxSwitchWait = absl::Minutes(5);
 
 // Metadata values must be printable ASCII.
 std::string PrintableAscii(std::string text) {
@@ -87,7 +91,41 @@ grpc::Status CoordinatorService::GetLoadStats(grpc::ServerContext* context,
     const std::string errors = RefreshLoad();
     if (!errors.empty()) context->AddTrailingMetadata(kCollectErrorsKey, PrintableAscii(errors));
   }
-  *response = state_->GetLoadStats();
+  if (!(request->window_seconds() >= 0)) {
+    return ToGrpcStatus(absl::InvalidArgumentError("window_seconds must be >= 0"));
+  }
+  *response = state_->GetLoadStats(absl::Seconds(request->window_seconds()));
+  return grpc::Status::OK;
+}
+
+bool CoordinatorService::AwaitCommit(grpc::ServerContext* context, uint64_t version) {
+  const absl::Time deadline =
+      std::min(absl::FromChrono(context->deadline()), absl::Now() + kMaxSwitchWait);
+  absl::StatusOr<bool> committed = state_->AwaitCommit(version, deadline);
+  return committed.ok() && *committed;
+}
+
+grpc::Status CoordinatorService::Rebalance(grpc::ServerContext* context,
+                                           const v1::RebalanceRequest* request,
+                                           v1::RebalancePlan* response) {
+  absl::StatusOr<v1::RebalancePlan> plan = state_->Rebalance(*request);
+  if (!plan.ok()) return ToGrpcStatus(plan.status());
+  *response = *std::move(plan);
+  if (request->wait() && response->new_map_version() > 0) {
+    response->set_committed(AwaitCommit(context, response->new_map_version()));
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::Drain(grpc::ServerContext* context,
+                                       const v1::DrainRequest* request,
+                                       v1::DrainResponse* response) {
+  absl::StatusOr<v1::DrainResponse> drain = state_->Drain(*request);
+  if (!drain.ok()) return ToGrpcStatus(drain.status());
+  *response = *std::move(drain);
+  if (request->wait() && response->new_map_version() > 0) {
+    response->set_committed(AwaitCommit(context, response->new_map_version()));
+  }
   return grpc::Status::OK;
 }
 

@@ -44,10 +44,18 @@ class CoordinatorService final : public v1::Coordinator::Service {
                                grpc::ServerWriter<v1::ClusterMap>* writer) override;
   grpc::Status GetLoadStats(grpc::ServerContext* context, const v1::GetLoadStatsRequest* request,
                             v1::LoadStats* response) override;
+  // With `wait`, these return once the new map version is committed or the call's deadline (at
+  // most kMaxSwitchWait) passes; `committed` says which.
+  grpc::Status Rebalance(grpc::ServerContext* context, const v1::RebalanceRequest* request,
+                         v1::RebalancePlan* response) override;
+  grpc::Status Drain(grpc::ServerContext* context, const v1::DrainRequest* request,
+                     v1::DrainResponse* response) override;
 
  private:
   // Pulls every alive shard's pending load into the state; returns the failures, described.
   std::string RefreshLoad();
+  // Waits for `version` to commit until the call's deadline; whether it did.
+  bool AwaitCommit(grpc::ServerContext* context, uint64_t version);
 
   ClusterState* const state_;
   LoadCollector collector_;

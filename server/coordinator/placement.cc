@@ -1,6 +1,7 @@
 #include "server/coordinator/placement.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "glog/logging.h"
 
@@ -49,24 +50,68 @@ double Balancedness(absl::Span<const int64_t> shard_load) {
   return mean / static_cast<double>(max_load);
 }
 
-v1::LayerLoad SummarizeLayerLoad(uint32_t layer, absl::Span<const int64_t> slot_load,
-                                 absl::Span<const int32_t> physical_to_logical,
-                                 absl::Span<const uint32_t> slot_to_rank, int num_logical,
-                                 int num_shards) {
-  CHECK_EQ(slot_load.size(), physical_to_logical.size());
-  CHECK_EQ(slot_load.size(), slot_to_rank.size());
-  std::vector<int64_t> expert_load(num_logical, 0);
-  std::vector<int64_t> shard_load(num_shards, 0);
-  for (size_t p = 0; p < slot_load.size(); ++p) {
-    expert_load[physical_to_logical[p]] += slot_load[p];
-    shard_load[slot_to_rank[p]] += slot_load[p];
+std::vector<int32_t> VacateRank(absl::Span<const int32_t> physical_to_logical,
+                                absl::Span<const uint32_t> slot_to_rank, uint32_t rank,
+                                const std::vector<bool>& serving) {
+  const size_t num_physical = slot_to_rank.size();
+  CHECK_GT(num_physical, 0u);
+  CHECK_EQ(physical_to_logical.size() % num_physical, 0u);
+  std::vector<int32_t> out(physical_to_logical.begin(), physical_to_logical.end());
+  for (size_t begin = 0; begin < out.size(); begin += num_physical) {
+    // Experts with a slot on a serving rank other than `rank`, in this layer.
+    std::vector<int32_t> elsewhere;
+    for (size_t p = 0; p < num_physical; ++p) {
+      const int32_t e = out[begin + p];
+      const uint32_t r = slot_to_rank[p];
+      if (e >= 0 && r != rank && serving[r]) elsewhere.push_back(e);
+    }
+    std::sort(elsewhere.begin(), elsewhere.end());
+    for (size_t p = 0; p < num_physical; ++p) {
+      const int32_t e = out[begin + p];
+      if (slot_to_rank[p] != rank || e < 0) continue;
+      if (std::binary_search(elsewhere.begin(), elsewhere.end(), e)) out[begin + p] = -1;
+    }
   }
-  v1::LayerLoad out;
-  out.set_layer(layer);
-  out.mutable_expert_load()->Add(expert_load.begin(), expert_load.end());
-  out.mutable_slot_load()->Add(slot_load.begin(), slot_load.end());
-  out.mutable_shard_load()->Add(shard_load.begin(), shard_load.end());
-  out.set_balancedness(Balancedness(shard_load));
+  return out;
+}
+
+std::vector<uint32_t> BalanceSlotLayout(absl::Span<const uint32_t> slot_to_rank,
+                                        const std::vector<bool>& eligible) {
+  CHECK(std::find(eligible.begin(), eligible.end(), true) != eligible.end());
+  std::vector<uint32_t> out(slot_to_rank.begin(), slot_to_rank.end());
+  std::vector<int> count(eligible.size(), 0);
+  for (uint32_t r : out) ++count[r];
+  // The eligible rank with the fewest slots (ties: lower rank); with `most`, the most slots
+  // (ties: higher rank).
+  auto pick = [&](bool most) {
+    int best = -1;
+    for (int r = 0; r < static_cast<int>(eligible.size()); ++r) {
+      if (!eligible[r]) continue;
+      if (best < 0 || (most ? count[r] >= count[best] : count[r] < count[best])) best = r;
+    }
+    return best;
+  };
+  auto move_highest_slot = [&](uint32_t from, uint32_t to) {
+    for (size_t p = out.size(); p-- > 0;) {
+      if (out[p] != from) continue;
+      out[p] = to;
+      --count[from];
+      ++count[to];
+      return;
+    }
+  };
+  for (size_t p = out.size(); p-- > 0;) {
+    if (eligible[out[p]]) continue;
+    const int to = pick(false);
+    --count[out[p]];
+    ++count[to];
+    out[p] = static_cast<uint32_t>(to);
+  }
+  while (true) {
+    const int most = pick(true), fewest = pick(false);
+    if (count[most] - count[fewest] <= 1) break;
+    move_highest_slot(most, fewest);
+  }
   return out;
 }
 

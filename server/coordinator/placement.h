@@ -1,5 +1,6 @@
-// Pure placement and load arithmetic of the coordinator: the default rank-major slot layout, the
-// initial replica placement of redundant slots, and per-layer load summaries with balancedness.
+// Pure placement arithmetic of the coordinator: the default rank-major slot layout, the initial
+// replica placement of redundant slots, balancedness, and the placements of a shard's removal
+// (vacated slots) and of moving slots off removed or draining shards.
 //
 // Called by ClusterState (under its lock) and by tests. Stateless: thread-safe.
 #ifndef MOE_SERVER_COORDINATOR_PLACEMENT_H_
@@ -9,7 +10,6 @@
 #include <vector>
 
 #include "absl/types/span.h"
-#include "moe/v1/coordinator.pb.h"
 
 namespace moe {
 
@@ -33,14 +33,23 @@ std::vector<int32_t> InitialPhysicalToLogical(int num_logical, int num_redundant
 // there are no shards.
 double Balancedness(absl::Span<const int64_t> shard_load);
 
-// Summarizes one layer's cumulative slot counts [P]: expert_load[e] sums the replicas of e through
-// physical_to_logical, shard_load[r] sums the slots of rank r through slot_to_rank.
-// REQUIRES: slot_load, physical_to_logical and slot_to_rank have the same size P; every
-// physical_to_logical entry is in [0, num_logical); every slot_to_rank entry is < num_shards.
-v1::LayerLoad SummarizeLayerLoad(uint32_t layer, absl::Span<const int64_t> slot_load,
-                                 absl::Span<const int32_t> physical_to_logical,
-                                 absl::Span<const uint32_t> slot_to_rank, int num_logical,
-                                 int num_shards);
+// The placement right after shard `rank` is removed (it failed): in every layer, a slot of `rank`
+// whose expert still has a slot on a serving rank (serving[r], `rank` excluded) becomes vacant
+// (-1); a slot whose expert has no other serving replica keeps it, so the map still names the
+// expert (clients fail calls touching it fast until a survivor has loaded it).
+// physical_to_logical: [L * P] layer-major. REQUIRES: slot_to_rank.size() == P divides the
+// placement's size; serving.size() > every slot_to_rank entry.
+std::vector<int32_t> VacateRank(absl::Span<const int32_t> physical_to_logical,
+                                absl::Span<const uint32_t> slot_to_rank, uint32_t rank,
+                                const std::vector<bool>& serving);
+
+// A slot layout over the `eligible` ranks: every slot of a non-eligible rank moves to an eligible
+// one, then slots move from the fullest eligible rank to the emptiest until their counts differ
+// by at most one. Each move takes the highest slot of the giving rank (or of the ineligible rank)
+// and goes to the rank with the fewest slots (ties: lower rank). Slots that need not move stay.
+// REQUIRES: at least one eligible rank; every slot_to_rank entry < eligible.size().
+std::vector<uint32_t> BalanceSlotLayout(absl::Span<const uint32_t> slot_to_rank,
+                                        const std::vector<bool>& eligible);
 
 }  // namespace moe
 

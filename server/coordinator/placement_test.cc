@@ -76,25 +76,35 @@ TEST(BalancednessTest, MeanOverMax) {
   EXPECT_DOUBLE_EQ(Balancedness({6, 0, 0}), 2.0 / 6.0);
 }
 
-TEST(SummarizeLayerLoadTest, HandWorkedLayer) {
-  // E = 4, R = 2, 3 shards: slots 0 1 | 2 3 | 4 5, slot 4 replicates expert 0, slot 5 expert 2.
-  const std::vector<int64_t> slot_load = {5, 1, 2, 0, 3, 4};
-  const std::vector<int32_t> p2l = {0, 1, 2, 3, 0, 2};
+TEST(VacateRankTest, ReplicatedExpertsLeaveOrphansStay) {
+  // 2 layers, P = 6, ranks 0 0 1 1 2 2. Layer 0: rank 1 holds 2 (also on rank 0) and 3 (only
+  // there). Layer 1: rank 1 holds 0 (also on rank 2, which is not serving) and 1 (also on rank 0).
+  const std::vector<int32_t> p2l = {0, 2, 2, 3, 1, 0,  //
+                                    1, 2, 0, 1, 0, 3};
   const std::vector<uint32_t> slot_to_rank = {0, 0, 1, 1, 2, 2};
-  const v1::LayerLoad load = SummarizeLayerLoad(7, slot_load, p2l, slot_to_rank, 4, 3);
-  EXPECT_EQ(load.layer(), 7u);
-  EXPECT_THAT(load.expert_load(), ElementsAre(8, 1, 6, 0));
-  EXPECT_THAT(load.slot_load(), ElementsAre(5, 1, 2, 0, 3, 4));
-  EXPECT_THAT(load.shard_load(), ElementsAre(6, 2, 7));
-  EXPECT_DOUBLE_EQ(load.balancedness(), 5.0 / 7.0);
+  const std::vector<bool> serving = {true, false, false};  // rank 1 failed, rank 2 too
+  EXPECT_THAT(VacateRank(p2l, slot_to_rank, 1, serving),
+              ElementsAre(0, 2, -1, 3, 1, 0,  //
+                          1, 2, 0, -1, 0, 3));
+  const std::vector<bool> rank2_serving = {true, false, true};
+  EXPECT_THAT(VacateRank(p2l, slot_to_rank, 1, rank2_serving),
+              ElementsAre(0, 2, -1, 3, 1, 0,  //
+                          1, 2, -1, -1, 0, 3));
 }
 
-TEST(SummarizeLayerLoadTest, IdleLayerIsBalanced) {
-  const v1::LayerLoad load = SummarizeLayerLoad(
-      0, std::vector<int64_t>{0, 0}, std::vector<int32_t>{0, 1}, std::vector<uint32_t>{0, 1}, 2, 2);
-  EXPECT_THAT(load.expert_load(), ElementsAre(0, 0));
-  EXPECT_THAT(load.shard_load(), ElementsAre(0, 0));
-  EXPECT_DOUBLE_EQ(load.balancedness(), 1.0);
+TEST(BalanceSlotLayoutTest, MovesSlotsOffIneligibleRanksEvenly) {
+  // Rank 1 (slots 2, 3, 4) leaves, highest slot first: slot 4 -> rank 2 (1 slot against rank 0's
+  // 2), slot 3 -> rank 0 (2 and 2: the lower rank), slot 2 -> rank 2 (3 against 2).
+  const std::vector<uint32_t> layout = {0, 0, 1, 1, 1, 2};
+  EXPECT_THAT(BalanceSlotLayout(layout, {true, false, true}), ElementsAre(0, 0, 2, 0, 2, 2));
+  // All eligible but uneven (2, 3, 1): rank 1's highest slot moves to rank 2.
+  EXPECT_THAT(BalanceSlotLayout(layout, {true, true, true}), ElementsAre(0, 0, 1, 1, 2, 2));
+  // Already even: nothing moves.
+  EXPECT_THAT(BalanceSlotLayout(std::vector<uint32_t>{0, 1, 1, 0}, {true, true}),
+              ElementsAre(0, 1, 1, 0));
+  // A rank that came back with no slots receives the highest slots of the fullest ranks.
+  EXPECT_THAT(BalanceSlotLayout(std::vector<uint32_t>{0, 0, 0, 0}, {true, true}),
+              ElementsAre(0, 0, 1, 1));
 }
 
 }  // namespace

@@ -249,26 +249,40 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
   }
   const int64_t size = st.st_size;
-  if (size < 8) {
-    ::close(fd);
-    return absl::DataLossError(
-        absl::StrCat(path, ": file is ", size, " bytes, shorter than the 8-byte header length"));
+  // A file too short for the header length is left unmapped (mmap refuses an empty one) and
+  // rejected by ParseHeader.
+  void* base = nullptr;
+  if (size >= 8) {
+    base = ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_SHARED, fd, 0);
   }
-  void* base = ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_SHARED, fd, 0);
   const int mmap_errno = errno;
   ::close(fd);  // the mapping keeps the file alive
   if (base == MAP_FAILED) return absl::ErrnoToStatus(mmap_errno, absl::StrCat("cannot map ", path));
   std::unique_ptr<SafetensorsFile> file(
-      new SafetensorsFile(path, static_cast<const uint8_t*>(base), size));
+      new SafetensorsFile(path, static_cast<const uint8_t*>(base), size, /*mapped=*/true));
+  if (absl::Status s = file->ParseHeader(); !s.ok()) return s;
+  return file;
+}
+
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::FromBuffer(
+    std::string name, absl::Span<const uint8_t> bytes) {
+  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile(
+      std::move(name), bytes.data(), static_cast<int64_t>(bytes.size()), /*mapped=*/false));
   if (absl::Status s = file->ParseHeader(); !s.ok()) return s;
   return file;
 }
 
 SafetensorsFile::~SafetensorsFile() {
-  if (base_ != nullptr) ::munmap(const_cast<uint8_t*>(base_), static_cast<size_t>(file_size_));
+  if (mapped_ && base_ != nullptr) {
+    ::munmap(const_cast<uint8_t*>(base_), static_cast<size_t>(file_size_));
+  }
 }
 
 absl::Status SafetensorsFile::ParseHeader() {
+  if (file_size_ < 8) {
+    return absl::DataLossError(absl::StrCat(path_, ": file is ", file_size_,
+                                            " bytes, shorter than the 8-byte header length"));
+  }
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | base_[i];
   if (header_len > static_cast<uint64_t>(kMaxSafetensorsHeaderBytes)) {

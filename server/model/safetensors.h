@@ -68,6 +68,11 @@ class SafetensorsFile {
   // it is truncated or an offset points outside it, INVALID_ARGUMENT for a malformed header.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(
       const std::string& path);
+  // Validates an in-memory image exactly as Open validates a file (same checks and codes);
+  // `name` stands in for the path in messages. REQUIRES: `bytes` stays alive and unchanged while
+  // the returned file, or any tensor or view it hands out, is in use (nothing is copied).
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<SafetensorsFile>> FromBuffer(
+      std::string name, absl::Span<const uint8_t> bytes);
 
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
@@ -81,13 +86,14 @@ class SafetensorsFile {
   std::vector<std::string> TensorNames() const;  // sorted
 
  private:
-  SafetensorsFile(std::string path, const uint8_t* base, int64_t size)
-      : path_(std::move(path)), base_(base), file_size_(size) {}
+  SafetensorsFile(std::string path, const uint8_t* base, int64_t size, bool mapped)
+      : path_(std::move(path)), base_(base), file_size_(size), mapped_(mapped) {}
   absl::Status ParseHeader();
 
   std::string path_;
   const uint8_t* base_ = nullptr;  // start of the mapping (null for an empty mapping)
   int64_t file_size_ = 0;
+  bool mapped_ = false;  // base_ is our mmap (Open), not a caller's buffer (FromBuffer)
   std::map<std::string, SafetensorsTensor, std::less<>> tensors_;
 };
 

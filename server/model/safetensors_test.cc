@@ -154,6 +154,23 @@ TEST(SafetensorsTest, ReadsHandBuiltFile) {
   EXPECT_THAT(missing.status().message(), HasSubstr("'c'"));
 }
 
+// The in-memory entry point reads a hand-built image in place: tensors point into the buffer.
+TEST(SafetensorsTest, FromBufferReadsInPlace) {
+  const std::string image =
+      RawFile(R"({"b": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]}})", "\x01\x02\x03");
+  const auto* base = reinterpret_cast<const uint8_t*>(image.data());
+  absl::StatusOr<std::unique_ptr<SafetensorsFile>> file =
+      SafetensorsFile::FromBuffer("in-memory", absl::MakeConstSpan(base, image.size()));
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ((*file)->path(), "in-memory");
+  EXPECT_EQ((*file)->file_size(), static_cast<int64_t>(image.size()));
+  absl::StatusOr<SafetensorsTensor> b = (*file)->Get("b");
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->data, base + image.size() - 3);
+  EXPECT_EQ(b->shape, Shape{3});
+  EXPECT_EQ(b->data[2], 3);
+}
+
 struct HostileCase {
   const char* label;
   std::string bytes;
@@ -233,6 +250,14 @@ TEST(SafetensorsTest, HostileFilesAreErrors) {
     EXPECT_EQ(file.status().code(), c.code) << file.status();
     EXPECT_THAT(file.status().message(), HasSubstr(path));
     EXPECT_THAT(file.status().message(), HasSubstr(c.message));
+    // The same bytes in memory fail the same way.
+    absl::StatusOr<std::unique_ptr<SafetensorsFile>> in_memory = SafetensorsFile::FromBuffer(
+        "buffer",
+        absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(c.bytes.data()), c.bytes.size()));
+    ASSERT_FALSE(in_memory.ok());
+    EXPECT_EQ(in_memory.status().code(), c.code) << in_memory.status();
+    EXPECT_THAT(in_memory.status().message(), HasSubstr("buffer"));
+    EXPECT_THAT(in_memory.status().message(), HasSubstr(c.message));
   }
 }
 

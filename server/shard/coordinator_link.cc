@@ -1,5 +1,6 @@
 #include "server/shard/coordinator_link.h"
 
+#include <map>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -12,22 +13,43 @@
 namespace moe {
 namespace {
 
-// Adds `from` into `into` when their shapes agree; otherwise `from` replaces `into` (a new
-// placement shape makes older counts meaningless for the new slots).
+// Adds `from` into `into`: slot counts per map version (a version present in both adds up), and
+// the executor totals. The newest version's counts stay at the top level, older ones beside it.
 void MergeDelta(const v1::LoadDelta& from, v1::LoadDelta* into) {
-  if (into->slot_counts_size() != from.slot_counts_size() ||
-      into->num_physical() != from.num_physical()) {
-    *into = from;
-    return;
+  std::map<uint64_t, v1::LoadDelta> by_version;
+  auto collect = [&by_version](const v1::LoadDelta& delta) {
+    auto add = [&by_version](const v1::LoadDelta& d) {
+      if (d.slot_counts_size() == 0) return;
+      v1::LoadDelta& slot = by_version[d.map_version()];
+      if (slot.slot_counts_size() != d.slot_counts_size()) {
+        slot.set_num_layers(d.num_layers());
+        slot.set_num_physical(d.num_physical());
+        slot.set_map_version(d.map_version());
+        slot.mutable_slot_counts()->Assign(d.slot_counts().begin(), d.slot_counts().end());
+        return;
+      }
+      for (int i = 0; i < d.slot_counts_size(); ++i) {
+        slot.set_slot_counts(i, slot.slot_counts(i) + d.slot_counts(i));
+      }
+    };
+    add(delta);
+    for (const v1::LoadDelta& other : delta.other_versions()) add(other);
+  };
+  collect(*into);
+  collect(from);
+  v1::LoadDelta out;
+  out.set_requests(into->requests() + from.requests());
+  out.set_tokens(into->tokens() + from.tokens());
+  out.set_batches(into->batches() + from.batches());
+  out.set_merged_batches(into->merged_batches() + from.merged_batches());
+  for (auto it = by_version.rbegin(); it != by_version.rend(); ++it) {
+    v1::LoadDelta* slot = it == by_version.rbegin() ? &out : out.add_other_versions();
+    slot->set_num_layers(it->second.num_layers());
+    slot->set_num_physical(it->second.num_physical());
+    slot->set_map_version(it->first);
+    *slot->mutable_slot_counts() = it->second.slot_counts();
   }
-  for (int i = 0; i < from.slot_counts_size(); ++i) {
-    into->set_slot_counts(i, into->slot_counts(i) + from.slot_counts(i));
-  }
-  into->set_map_version(from.map_version());
-  into->set_requests(into->requests() + from.requests());
-  into->set_tokens(into->tokens() + from.tokens());
-  into->set_batches(into->batches() + from.batches());
-  into->set_merged_batches(into->merged_batches() + from.merged_batches());
+  *into = std::move(out);
 }
 
 }  // namespace
@@ -109,20 +131,41 @@ void CoordinatorLink::WatchLoop() {
     auto reader = stub_->WatchClusterMap(raw, req);
     v1::ClusterMap map;
     while (reader->Read(&map)) {
-      if (map.version() <= service_->active_version()) continue;
-      absl::StatusOr<std::shared_ptr<const ShardPlacement>> placement =
-          ShardPlacement::FromClusterMap(map, rank);
-      absl::Status s = placement.ok() ? service_->Activate(*placement) : placement.status();
-      if (!s.ok()) {
-        LOG(ERROR) << "cannot activate map version " << map.version() << ": " << s;
-        continue;
-      }
+      if (!ApplyMap(map, rank)) continue;
       absl::MutexLock lock(&mu_);
-      heartbeat_now_ = true;
+      heartbeat_now_ = true;  // report readiness now: a switch may be waiting for it
     }
     reader->Finish();
     if (!stopping_.load()) absl::SleepFor(absl::Milliseconds(200));  // reconnect backoff
   }
+}
+
+bool CoordinatorLink::ActivateVersion(const v1::ClusterMap& map, uint32_t rank) {
+  absl::StatusOr<std::shared_ptr<const ShardPlacement>> placement =
+      ShardPlacement::FromClusterMap(map, rank);
+  absl::Status s = placement.ok() ? service_->Activate(*placement) : placement.status();
+  if (!s.ok()) LOG(ERROR) << "cannot activate map version " << map.version() << ": " << s;
+  return s.ok();
+}
+
+bool CoordinatorLink::ApplyMap(const v1::ClusterMap& map, uint32_t rank) {
+  bool activated = false;
+  // The current version first (clients use it now), then the one being prepared.
+  if (!service_->Accepts(map.version()) && map.version() >= map.min_accepted_version()) {
+    activated = ActivateVersion(map, rank) || activated;
+  }
+  if (map.has_pending() && !service_->Accepts(map.pending().version())) {
+    activated = ActivateVersion(map.pending(), rank) || activated;
+  }
+  service_->ReleaseBefore(map.min_accepted_version());
+  for (const v1::ShardEntry& entry : map.shards()) {
+    if (entry.rank() != rank || entry.state() != v1::SHARD_DRAINED || drained_) continue;
+    drained_ = true;
+    LOG(INFO) << "the coordinator reports this shard drained: no longer serving";
+    service_->StartDraining();
+    if (on_drained_) on_drained_();
+  }
+  return activated;
 }
 
 absl::Status CoordinatorLink::SendHeartbeat() {

@@ -94,11 +94,17 @@ void Executor::WorkerLoop() {
     mu_.Unlock();
     const absl::Time start = absl::Now();
     absl::Status status = RunBatch(batch);
-    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-    mu_.Lock();
+    const absl::Duration compute = absl::Now() - start;
+    const double seconds = absl::ToDoubleSeconds(compute);
     uint64_t tokens = 0;
+    for (Pending* p : batch) tokens += p->item->hidden.dim(0);
+    // Outside the lock: the observer must not delay callers queueing their next requests.
+    if (options_.observer != nullptr) {
+      options_.observer->OnBatch(static_cast<int64_t>(tokens), static_cast<int64_t>(batch.size()),
+                                 compute);
+    }
+    mu_.Lock();
     for (Pending* p : batch) {
-      tokens += p->item->hidden.dim(0);
       p->status = status;
       p->done = true;
     }

@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "kernels/backend.h"
 #include "kernels/tensor.h"
+#include "server/shard/observer.h"
 
 namespace moe {
 
@@ -27,6 +28,9 @@ struct ExecutorOptions {
   // How long the worker may wait for more requests of the same layer before running a batch
   // that is under budget. 0: merge only what is already queued (no added latency).
   absl::Duration max_batch_wait = absl::ZeroDuration();
+  // Told about every batch (metrics); borrowed, may be null. The shard service also reports its
+  // requests to it.
+  ShardObserver* observer = nullptr;
 };
 
 struct ExecutorStats {

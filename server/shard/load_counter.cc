@@ -5,32 +5,28 @@
 
 namespace moe {
 
-void LoadCounter::Reset(int32_t num_layers, int32_t num_physical, uint64_t map_version) {
-  absl::MutexLock lock(&mu_);
-  if (pending_.num_layers != num_layers || pending_.num_physical != num_physical) {
-    pending_.counts.assign(static_cast<size_t>(num_layers) * num_physical, 0);
-  }
-  pending_.num_layers = num_layers;
-  pending_.num_physical = num_physical;
-  pending_.map_version = map_version;
-}
-
 void LoadCounter::Record(const ShardPlacement& placement, int32_t layer,
                          const TensorView& physical_ids) {
   absl::MutexLock lock(&mu_);
-  if (pending_.num_physical != placement.num_physical() || layer >= pending_.num_layers) return;
-  absl::Span<int64_t> row(
-      pending_.counts.data() + static_cast<size_t>(layer) * pending_.num_physical,
-      pending_.num_physical);
-  // Staging already validated the tensor; a failure here is a programmer error.
+  Delta& delta = pending_[placement.version()];
+  if (delta.counts.empty()) {
+    delta.num_layers = placement.num_layers();
+    delta.num_physical = placement.num_physical();
+    delta.map_version = placement.version();
+    delta.counts.assign(static_cast<size_t>(delta.num_layers) * delta.num_physical, 0);
+  }
+  absl::Span<int64_t> row(delta.counts.data() + static_cast<size_t>(layer) * delta.num_physical,
+                          delta.num_physical);
+  // Staging already validated the tensor and the layer; a failure here is a programmer error.
   const absl::Status s = RecordLoad(physical_ids, physical_ids.dim(0), placement.hosted(), row);
   CHECK(s.ok()) << s;
 }
 
-LoadCounter::Delta LoadCounter::Take() {
+std::vector<LoadCounter::Delta> LoadCounter::Take() {
   absl::MutexLock lock(&mu_);
-  Delta out = pending_;
-  std::fill(pending_.counts.begin(), pending_.counts.end(), 0);
+  std::vector<Delta> out;
+  for (auto& [version, delta] : pending_) out.push_back(std::move(delta));
+  pending_.clear();
   return out;
 }
 

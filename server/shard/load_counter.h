@@ -1,10 +1,13 @@
-// Expert-load counters of one shard: per (layer, physical slot) routes recorded at staging, taken
-// and reset by heartbeats and CollectLoad so every route is reported exactly once.
+// Expert-load counters of one shard: per (map version, layer, physical slot) routes recorded at
+// staging, taken and reset by heartbeats and CollectLoad so every route is reported exactly once.
+// Counts are kept per map version because during a placement switch the shard serves two
+// versions, and a slot count only means something under its own version's placement.
 // Thread-safe (one mutex; the critical section is a short loop over one request's routes).
 #ifndef MOE_SERVER_SHARD_LOAD_COUNTER_H_
 #define MOE_SERVER_SHARD_LOAD_COUNTER_H_
 
 #include <cstdint>
+#include <map>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -16,6 +19,7 @@ namespace moe {
 
 class LoadCounter {
  public:
+  // One map version's counts.
   struct Delta {
     int32_t num_layers = 0;
     int32_t num_physical = 0;
@@ -23,18 +27,17 @@ class LoadCounter {
     std::vector<int64_t> counts;  // [num_layers * num_physical]
   };
 
-  // Starts counting for a (new) placement. Pending counts of the previous shape are kept in the
-  // next Take() only when the shape is unchanged.
-  void Reset(int32_t num_layers, int32_t num_physical, uint64_t map_version);
-
-  // Records one staged request's routes (numerics.md section 4: t < num_unpadded, hosted slots).
+  // Records one staged request's routes under placement.version() (numerics.md section 4:
+  // t < num_unpadded, hosted slots).
   void Record(const ShardPlacement& placement, int32_t layer, const TensorView& physical_ids);
 
-  Delta Take();
+  // The counts since the previous Take, one Delta per map version that recorded any, in
+  // ascending version order.
+  std::vector<Delta> Take();
 
  private:
   absl::Mutex mu_;
-  Delta pending_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, Delta> pending_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace moe

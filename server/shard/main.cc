@@ -1,4 +1,6 @@
 // moe_shard: one expert-shard server (one per GPU, or a CPU shard).
+#include <algorithm>
+#include <climits>
 #include <csignal>
 #include <cstdio>
 #include <fstream>
@@ -20,6 +22,7 @@
 #include "server/shard/coordinator_link.h"
 #include "server/shard/model_source.h"
 #include "server/shard/service.h"
+#include "server/shard/shard_metrics.h"
 
 ABSL_FLAG(std::string, model, "", "checkpoint directory: config.json + safetensors (required)");
 ABSL_FLAG(std::string, coordinator, "",
@@ -35,6 +38,14 @@ ABSL_FLAG(int, max_batch_wait_us, 0,
           "is already queued)");
 ABSL_FLAG(int, drain_seconds, 10, "on SIGTERM: how long in-flight calls may take to finish");
 ABSL_FLAG(int, register_wait_seconds, 60, "how long to keep trying to reach the coordinator");
+ABSL_FLAG(int, metrics_port, 0,
+          "Prometheus /metrics HTTP port: 0 picks a free one (logged; see --metrics_port_file), "
+          "-1 turns metrics off");
+ABSL_FLAG(std::string, metrics_port_file, "", "write the bound metrics port to this file");
+ABSL_FLAG(std::string, http_host, "127.0.0.1", "address the metrics HTTP endpoint listens on");
+ABSL_FLAG(int, max_connection_age_seconds, 300,
+          "close each client connection (GOAWAY) after this long so that clients re-resolve and "
+          "see new pods behind a DNS name; 0 keeps connections forever");
 
 namespace moe {
 namespace {
@@ -42,7 +53,9 @@ namespace {
 struct ShardOptions {
   std::string model, coordinator, host, port_file, backend;
   int port = 0, rank = -1, drain_seconds = 10, register_wait_seconds = 60;
+  int max_connection_age_seconds = 300;
   ExecutorOptions executor;
+  HttpEndpointOptions metrics;
 };
 
 ShardOptions OptionsFromFlags() {
@@ -56,8 +69,11 @@ ShardOptions OptionsFromFlags() {
   o.rank = absl::GetFlag(FLAGS_rank);
   o.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
   o.register_wait_seconds = absl::GetFlag(FLAGS_register_wait_seconds);
+  o.max_connection_age_seconds = absl::GetFlag(FLAGS_max_connection_age_seconds);
   o.executor.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   o.executor.max_batch_wait = absl::Microseconds(absl::GetFlag(FLAGS_max_batch_wait_us));
+  o.metrics = {absl::GetFlag(FLAGS_http_host), absl::GetFlag(FLAGS_metrics_port),
+               absl::GetFlag(FLAGS_metrics_port_file)};
   return o;
 }
 
@@ -88,7 +104,29 @@ int Run(const ShardOptions& o) {
     LOG(ERROR) << backend.status();
     return 1;
   }
-  ExpertShardService service(source->get(), backend->get(), o.executor);
+  if (absl::Status s = ValidateHttpEndpoint(o.metrics, "--metrics_port"); !s.ok()) {
+    LOG(ERROR) << s;
+    return 2;
+  }
+  // The metrics observe the executor, so they exist before the service; their endpoint scrapes
+  // the service, so it is declared after it (and destroyed before it).
+  std::unique_ptr<ShardMetrics> metrics;
+  ExecutorOptions executor_options = o.executor;
+  if (o.metrics.port != kHttpPortOff) {
+    metrics = std::make_unique<ShardMetrics>((*source)->model().num_layers,
+                                             std::string((*backend)->name()), (*backend)->device());
+    executor_options.observer = metrics.get();
+  }
+  ExpertShardService service(source->get(), backend->get(), executor_options);
+  std::unique_ptr<MetricsEndpoint> metrics_endpoint;
+  if (metrics != nullptr) {
+    absl::StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint = metrics->Serve(o.metrics, &service);
+    if (!endpoint.ok()) {
+      LOG(ERROR) << endpoint.status();
+      return 1;
+    }
+    metrics_endpoint = *std::move(endpoint);
+  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -97,6 +135,11 @@ int Run(const ShardOptions& o) {
                            &port);
   builder.SetMaxReceiveMessageSize(256 << 20);
   builder.SetMaxSendMessageSize(256 << 20);
+  if (o.max_connection_age_seconds > 0) {
+    // In-flight calls keep their connection (the age grace stays unlimited); new calls reconnect.
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS,
+                               std::min(o.max_connection_age_seconds, INT_MAX / 1000) * 1000);
+  }
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {
@@ -133,7 +176,16 @@ int Run(const ShardOptions& o) {
     shape->set_top_k(model.top_k);
     shape->set_hidden_size(static_cast<uint32_t>(model.hidden));
     shape->set_intermediate_size(static_cast<uint32_t>(model.intermediate));
+    // What moving one expert costs, for the coordinator's rebalance plans.
+    absl::StatusOr<int64_t> expert_bytes = (*source)->ExpertBytes();
+    if (!expert_bytes.ok()) {
+      LOG(ERROR) << "cannot load expert 0 of layer 0: " << expert_bytes.status();
+      return 1;
+    }
+    shape->set_expert_bytes(static_cast<uint64_t>(*expert_bytes));
     link = std::make_unique<CoordinatorLink>(o.coordinator, reg, &service);
+    // A drained shard stops serving; its health says so.
+    link->set_on_drained([health] { health->SetServingStatus(false); });
     if (absl::Status s = link->Start(absl::Seconds(o.register_wait_seconds)); !s.ok()) {
       LOG(ERROR) << s;
       return 1;
@@ -142,6 +194,9 @@ int Run(const ShardOptions& o) {
   // Serving once weights are active; the health status tracks that from a small waiter thread.
   // It is joined before shutdown: detached, it could outlive `service` and `server` when a stop
   // signal came soon after start-up (it crashed the process on exit).
+  // With a coordinator, weights become active only from a map the coordinator published after
+  // this shard registered (CoordinatorLink::Start registers before it watches), so SERVING means
+  // registered and loaded: what a Kubernetes gRPC readiness probe needs.
   absl::Notification stop_ready_watch;
   std::thread ready_watch([&service, &stop_ready_watch, health] {
     while (service.active_version() == 0) {

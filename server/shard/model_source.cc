@@ -1,24 +1,10 @@
 #include "server/shard/model_source.h"
 
 #include <utility>
-#include <vector>
 
 #include "absl/strings/str_cat.h"
 
 namespace moe {
-namespace {
-
-class ModelLayers final : public LoadedWeights {
- public:
-  explicit ModelLayers(std::vector<std::unique_ptr<model::LoadedLayer>> layers)
-      : layers_(std::move(layers)) {}
-  const ExpertLayer& layer(int l) const override { return layers_[l]->layer(); }
-
- private:
-  std::vector<std::unique_ptr<model::LoadedLayer>> layers_;
-};
-
-}  // namespace
 
 ModelWeightSource::ModelWeightSource(std::unique_ptr<model::ExpertModel> m) : model_(std::move(m)) {
   const model::ModelConfig& c = model_->config();
@@ -36,20 +22,22 @@ absl::StatusOr<std::unique_ptr<ModelWeightSource>> ModelWeightSource::Open(const
   return std::unique_ptr<ModelWeightSource>(new ModelWeightSource(*std::move(m)));
 }
 
-absl::StatusOr<std::shared_ptr<const LoadedWeights>> ModelWeightSource::Load(
-    const ShardPlacement& placement) {
-  std::vector<std::unique_ptr<model::LoadedLayer>> layers;
-  for (int32_t l = 0; l < placement.num_layers(); ++l) {
-    std::vector<int32_t> slot_to_logical;
-    for (size_t j = 0; j < placement.hosted_slots().size(); ++j) {
-      slot_to_logical.push_back(placement.LogicalOfLocal(l, static_cast<int32_t>(j)));
-    }
-    absl::StatusOr<std::unique_ptr<model::LoadedLayer>> layer =
-        model_->LoadLayer(l, slot_to_logical);
-    if (!layer.ok()) return layer.status();
-    layers.push_back(*std::move(layer));
-  }
-  return std::shared_ptr<const LoadedWeights>(std::make_shared<ModelLayers>(std::move(layers)));
+absl::StatusOr<LayerWeights> ModelWeightSource::LoadLayer(
+    int layer, absl::Span<const int32_t> local_to_logical) {
+  absl::StatusOr<std::unique_ptr<model::LoadedLayer>> loaded =
+      model_->LoadLayer(layer, local_to_logical);
+  if (!loaded.ok()) return loaded.status();
+  // Aliasing constructor: the ExpertLayer view shares ownership of the LoadedLayer holding its
+  // memory.
+  std::shared_ptr<const model::LoadedLayer> owner = *std::move(loaded);
+  return LayerWeights(owner, &owner->layer());
+}
+
+absl::StatusOr<int64_t> ModelWeightSource::ExpertBytes() {
+  const int32_t first = 0;
+  absl::StatusOr<LayerWeights> layer = LoadLayer(0, absl::MakeConstSpan(&first, 1));
+  if (!layer.ok()) return layer.status();
+  return ExpertWeightBytes((*layer)->experts[0]);
 }
 
 }  // namespace moe

@@ -1,5 +1,6 @@
 // WeightSource over a checkpoint directory (server/model): loads, per layer, exactly the experts
-// of the hosted slots. Thread-safety: Load may run concurrently with readers of earlier results.
+// of the hosted slots. Thread-safety: LoadLayer may run concurrently with readers of earlier
+// results.
 #ifndef MOE_SERVER_SHARD_MODEL_SOURCE_H_
 #define MOE_SERVER_SHARD_MODEL_SOURCE_H_
 
@@ -18,8 +19,10 @@ class ModelWeightSource final : public WeightSource {
 
   const ServedModel& model() const override { return served_; }
   const model::ExpertModel& expert_model() const { return *model_; }
-  absl::StatusOr<std::shared_ptr<const LoadedWeights>> Load(
-      const ShardPlacement& placement) override;
+  absl::StatusOr<LayerWeights> LoadLayer(int layer,
+                                         absl::Span<const int32_t> local_to_logical) override;
+  // ExpertWeightBytes of expert 0 of layer 0 (every routed expert has the same shape).
+  absl::StatusOr<int64_t> ExpertBytes();
 
  private:
   explicit ModelWeightSource(std::unique_ptr<model::ExpertModel> model);

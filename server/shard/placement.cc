@@ -49,7 +49,11 @@ absl::StatusOr<std::shared_ptr<const ShardPlacement>> ShardPlacement::FromCluste
   }
   std::vector<int32_t> slots;
   for (int32_t s = 0; s < num_physical; ++s) {
-    if (map.slot_to_rank(s) == rank) slots.push_back(s);
+    if (map.slot_to_rank(s) != rank) continue;
+    // A slot vacant in every layer (its shard was removed) holds nothing to load.
+    bool vacant = true;
+    for (const LayerPlacement& layer : p->layers_) vacant = vacant && layer.physical_to_logical()[s] < 0;
+    if (!vacant) slots.push_back(s);
   }
   p->SetHosted(std::move(slots));
   return std::shared_ptr<const ShardPlacement>(std::move(p));

@@ -17,8 +17,9 @@ namespace moe {
 
 class ShardPlacement {
  public:
-  // The placement of shard `rank` in `map`. INVALID_ARGUMENT when the map is inconsistent
-  // (layer count, slot counts, ranks), naming what is wrong.
+  // The placement of shard `rank` in `map`: the slots slot_to_rank gives it, except slots vacant
+  // in every layer. INVALID_ARGUMENT when the map is inconsistent (layer count, slot counts,
+  // ranks), naming what is wrong.
   static absl::StatusOr<std::shared_ptr<const ShardPlacement>> FromClusterMap(
       const v1::ClusterMap& map, uint32_t rank);
   // A standalone shard: identity placement, every slot hosted, version `version`.

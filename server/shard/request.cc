@@ -32,8 +32,9 @@ absl::StatusOr<HostTensor> DecodeHidden(const v1::HiddenStates& hs, int64_t hidd
         absl::StrCat("hidden_states.data: expected [T, H], got ", ShapeString(data.shape)));
   }
   const int64_t t = data.dim(0);
-  HostTensor out(DType::kF32, {t, hidden});
-  float* dst = out.data<float>();
+  // [T, H] is allocated only after the payload's width matches H: a zero-width payload carries
+  // no bytes, so until then nothing bounds T.
+  HostTensor out;
   switch (hs.format()) {
     case v1::ACTIVATION_F32:
     case v1::ACTIVATION_BF16: {
@@ -41,6 +42,8 @@ absl::StatusOr<HostTensor> DecodeHidden(const v1::HiddenStates& hs, int64_t hidd
       if (absl::Status s = CheckTensor(data, "hidden_states.data", want, {t, hidden}); !s.ok()) {
         return s;
       }
+      out = HostTensor(DType::kF32, {t, hidden});
+      float* dst = out.data<float>();
       for (int64_t i = 0; i < t * hidden; ++i) {
         dst[i] = want == DType::kF32 ? data.As<const float>()[i]
                                      : Bf16ToFloat(data.As<const uint16_t>()[i]);
@@ -52,6 +55,7 @@ absl::StatusOr<HostTensor> DecodeHidden(const v1::HiddenStates& hs, int64_t hidd
         return absl::InvalidArgumentError(
             absl::StrCat("hidden_states.data: H = ", data.dim(1), ", model has ", hidden));
       }
+      out = HostTensor(DType::kF32, {t, hidden});
       if (absl::Status s = Prefix(DequantizeMxfp8(data, scales, out.view()), "hidden_states: ");
           !s.ok()) {
         return s;
@@ -63,6 +67,7 @@ absl::StatusOr<HostTensor> DecodeHidden(const v1::HiddenStates& hs, int64_t hidd
                                                        data.dim(1),
                                                        " bytes per token, model H = ", hidden));
       }
+      out = HostTensor(DType::kF32, {t, hidden});
       if (absl::Status s = Prefix(DequantizeNvfp4PerToken(data, scales, token_scale, out.view()),
                                   "hidden_states: ");
           !s.ok()) {

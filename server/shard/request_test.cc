@@ -119,7 +119,7 @@ TEST(RequestTest, RejectsMalformedRequests) {
     const char* what;
     std::function<void(v1::ForwardRequest&)> mutate;
   };
-  const std::vector<Case> cases = {
+  std::vector<Case> cases = {
       {"unknown layer", [](v1::ForwardRequest& r) { r.set_layer(2); }},
       {"id = E",
        [](v1::ForwardRequest& r) {
@@ -159,6 +159,21 @@ TEST(RequestTest, RejectsMalformedRequests) {
        }},
       {"bad output dtype", [](v1::ForwardRequest& r) { r.set_output_dtype(v1::U8); }},
   };
+  // Zero-width payloads carry no bytes, so nothing but the width check bounds T: each must be
+  // refused before [T, H] is allocated (2^34 * 128 floats would be 8 TiB; found by fuzzing).
+  for (v1::ActivationFormat format :
+       {v1::ACTIVATION_F32, v1::ACTIVATION_BF16, v1::ACTIVATION_MXFP8, v1::ACTIVATION_NVFP4}) {
+    const v1::DType dtype = format == v1::ACTIVATION_F32     ? v1::F32
+                            : format == v1::ACTIVATION_BF16  ? v1::BF16
+                            : format == v1::ACTIVATION_MXFP8 ? v1::E4M3
+                                                             : v1::U8;
+    cases.push_back({"2^34 tokens of zero width", [format, dtype](v1::ForwardRequest& r) {
+                       r.mutable_hidden_states()->set_format(format);
+                       r.mutable_hidden_states()->clear_data();
+                       Put<uint8_t>(r.mutable_hidden_states()->mutable_data(), dtype,
+                                    {int64_t{1} << 34, 0}, {});
+                     }});
+  }
   for (const Case& c : cases) {
     v1::ForwardRequest r = BaseRequest();
     c.mutate(r);

@@ -1,5 +1,6 @@
 #include "server/shard/service.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -34,11 +35,42 @@ void WriteOutput(const HostTensor& out, DType dtype, v1::Tensor* wire) {
 
 ExpertShardService::ExpertShardService(WeightSource* source, ExpertBackend* backend,
                                        ExecutorOptions options)
-    : source_(source), backend_(backend), executor_(backend, options) {}
+    : source_(source),
+      backend_(backend),
+      executor_(backend, options),
+      observer_(options.observer) {}
 
 void ExpertShardService::set_identity(ShardIdentity identity) {
   absl::MutexLock lock(&mu_);
   identity_ = std::move(identity);
+}
+
+absl::StatusOr<LayerWeights> ExpertShardService::LayerFor(const ShardPlacement& placement,
+                                                          int l) {
+  std::vector<int32_t> local_to_logical;
+  for (size_t j = 0; j < placement.hosted_slots().size(); ++j) {
+    // A slot vacant in this layer (but not in all) is never routed: any expert can fill it.
+    local_to_logical.push_back(std::max(placement.LogicalOfLocal(l, static_cast<int32_t>(j)), 0));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [version, snapshot] : snapshots_) {
+      const ShardPlacement& other = *snapshot->placement;
+      if (snapshot->layers.empty() || other.hosted_slots().size() != local_to_logical.size()) {
+        continue;
+      }
+      bool same = true;
+      for (size_t j = 0; j < local_to_logical.size() && same; ++j) {
+        same = std::max(other.LogicalOfLocal(l, static_cast<int32_t>(j)), 0) == local_to_logical[j];
+      }
+      if (same) return snapshot->layers[l];
+    }
+  }
+  absl::StatusOr<LayerWeights> layer = source_->LoadLayer(l, local_to_logical);
+  if (!layer.ok()) return layer.status();
+  if (absl::Status s = backend_->CheckSupported(**layer); !s.ok()) return s;
+  if (absl::Status s = backend_->PrepareLayer(l, **layer); !s.ok()) return s;
+  return layer;
 }
 
 absl::Status ExpertShardService::Activate(std::shared_ptr<const ShardPlacement> placement) {
@@ -48,38 +80,54 @@ absl::Status ExpertShardService::Activate(std::shared_ptr<const ShardPlacement> 
     return absl::FailedPreconditionError(absl::StrCat("placement has ", placement->num_layers(),
                                                       " layers, model has ", model.num_layers));
   }
-  absl::StatusOr<std::shared_ptr<const LoadedWeights>> weights = source_->Load(*placement);
-  if (!weights.ok()) return weights.status();
-  for (int l = 0; l < model.num_layers; ++l) {
-    const ExpertLayer& layer = (*weights)->layer(l);
-    if (absl::Status s = backend_->CheckSupported(layer); !s.ok()) return s;
-    if (absl::Status s = backend_->PrepareLayer(l, layer); !s.ok()) return s;
+  auto snapshot = std::make_shared<Snapshot>();
+  snapshot->placement = placement;
+  // A shard left without slots (drained, or not given any yet) answers with zeros.
+  if (!placement->hosted_slots().empty()) {
+    for (int l = 0; l < model.num_layers; ++l) {
+      absl::StatusOr<LayerWeights> layer = LayerFor(*placement, l);
+      if (!layer.ok()) return layer.status();
+      snapshot->layers.push_back(*std::move(layer));
+    }
   }
-  auto snapshot = std::make_shared<const Snapshot>(Snapshot{placement, *std::move(weights)});
-  load_.Reset(placement->num_layers(), placement->num_physical(), placement->version());
   absl::MutexLock lock(&mu_);
-  previous_ = std::move(current_);
-  current_ = std::move(snapshot);
+  snapshots_[placement->version()] = std::move(snapshot);
+  while (snapshots_.size() > kMaxSnapshots) snapshots_.erase(snapshots_.begin());
   LOG(INFO) << "map version " << placement->version() << " active: hosting "
             << placement->hosted_slots().size() << " of " << placement->num_physical()
-            << " slots per layer";
+            << " slots per layer; accepting " << snapshots_.size() << " version(s) from "
+            << snapshots_.begin()->first;
   return absl::OkStatus();
 }
 
 uint64_t ExpertShardService::active_version() const {
   absl::MutexLock lock(&mu_);
-  return current_ ? current_->placement->version() : 0;
+  return snapshots_.empty() ? 0 : snapshots_.rbegin()->first;
+}
+
+bool ExpertShardService::Accepts(uint64_t map_version) const {
+  absl::MutexLock lock(&mu_);
+  return snapshots_.count(map_version) > 0;
+}
+
+void ExpertShardService::ReleaseBefore(uint64_t min_version) {
+  absl::MutexLock lock(&mu_);
+  while (snapshots_.size() > 1 && snapshots_.begin()->first < min_version) {
+    LOG(INFO) << "map version " << snapshots_.begin()->first << " drained; freeing its weights";
+    snapshots_.erase(snapshots_.begin());
+  }
 }
 
 absl::StatusOr<std::shared_ptr<const ExpertShardService::Snapshot>> ExpertShardService::SnapshotFor(
     uint64_t map_version) const {
   absl::MutexLock lock(&mu_);
-  if (!current_) return absl::UnavailableError("shard is loading weights; retry");
-  if (map_version == 0 || map_version == current_->placement->version()) return current_;
-  if (previous_ && map_version == previous_->placement->version()) return previous_;
+  if (snapshots_.empty()) return absl::UnavailableError("shard is loading weights; retry");
+  if (map_version == 0) return snapshots_.rbegin()->second;
+  auto it = snapshots_.find(map_version);
+  if (it != snapshots_.end()) return it->second;
   return absl::FailedPreconditionError(absl::StrCat("stale map version ", map_version,
                                                     "; current map version is ",
-                                                    current_->placement->version()));
+                                                    snapshots_.rbegin()->first));
 }
 
 absl::Status ExpertShardService::DoForward(const v1::ForwardRequest& request,
@@ -98,14 +146,16 @@ absl::Status ExpertShardService::DoForward(const v1::ForwardRequest& request,
   if (!staged.ok()) return staged.status();
   load_.Record(placement, staged->layer, staged->physical_ids.view());
   HostTensor out(DType::kF32, {staged->num_tokens, model.hidden});
+  const std::vector<LayerWeights>& layers = (*snapshot)->layers;
   WorkItem item{staged->layer,
-                &(*snapshot)->weights->layer(staged->layer),
+                layers.empty() ? nullptr : layers[staged->layer].get(),
                 staged->hidden.view(),
                 staged->local_ids.view(),
                 staged->weights.view(),
                 staged->shared_mask.NumElements() > 0 ? staged->shared_mask.view() : TensorView{},
                 out.view()};
-  if (staged->num_tokens > 0) {
+  // A shard hosting no slot has no route to compute: its output stays zero.
+  if (staged->num_tokens > 0 && item.layer != nullptr) {
     if (absl::Status s = executor_.Run(item); !s.ok()) return s;
   }
   response->set_request_id(request.request_id());
@@ -119,9 +169,22 @@ absl::Status ExpertShardService::DoForward(const v1::ForwardRequest& request,
   return absl::OkStatus();
 }
 
+void ExpertShardService::Observe(const v1::ForwardRequest& request,
+                                 const v1::ForwardResponse& response, const absl::Status& status,
+                                 absl::Time start) const {
+  if (observer_ == nullptr) return;
+  // The output is [T, H]: its first dimension is the number of tokens served.
+  const int64_t tokens =
+      status.ok() && response.output().shape_size() > 0 ? response.output().shape(0) : 0;
+  observer_->OnForward(request.layer(), tokens, status.code(), absl::Now() - start);
+}
+
 grpc::Status ExpertShardService::Forward(grpc::ServerContext*, const v1::ForwardRequest* request,
                                          v1::ForwardResponse* response) {
-  return ToGrpcStatus(DoForward(*request, response));
+  const absl::Time start = absl::Now();
+  const absl::Status status = DoForward(*request, response);
+  Observe(*request, *response, status, start);
+  return ToGrpcStatus(status);
 }
 
 grpc::Status ExpertShardService::ForwardStream(
@@ -130,8 +193,11 @@ grpc::Status ExpertShardService::ForwardStream(
   v1::ForwardRequest request;
   while (stream->Read(&request)) {
     v1::ForwardResponse response;
+    const absl::Time start = absl::Now();
+    const absl::Status s = DoForward(request, &response);
+    Observe(request, response, s, start);
     // A bad request ends the stream with its status; the shard itself keeps serving.
-    if (absl::Status s = DoForward(request, &response); !s.ok()) {
+    if (!s.ok()) {
       return ToGrpcStatus(absl::Status(
           s.code(), absl::StrCat("request_id ", request.request_id(), ": ", s.message())));
     }
@@ -154,12 +220,14 @@ grpc::Status ExpertShardService::GetInfo(grpc::ServerContext*, const v1::GetInfo
   absl::MutexLock lock(&mu_);
   info->set_shard_id(identity_.shard_id);
   info->set_address(identity_.address);
-  if (current_) {
+  if (!snapshots_.empty()) {
+    const Snapshot& current = *snapshots_.rbegin()->second;
     // The proto documents lower-case names ("mxfp4"); WeightFormatName is upper-case.
-    info->set_weight_format(
-        absl::AsciiStrToLower(WeightFormatName(current_->weights->layer(0).format)));
-    for (int32_t s : current_->placement->hosted_slots()) info->add_hosted_slots(s);
-    info->set_map_version(current_->placement->version());
+    if (!current.layers.empty()) {
+      info->set_weight_format(absl::AsciiStrToLower(WeightFormatName(current.layers[0]->format)));
+    }
+    for (int32_t s : current.placement->hosted_slots()) info->add_hosted_slots(s);
+    info->set_map_version(current.placement->version());
     info->set_ready(true);
   }
   return grpc::Status::OK;
@@ -179,13 +247,18 @@ grpc::Status ExpertShardService::GetStats(grpc::ServerContext*, const v1::GetSta
 }
 
 v1::LoadDelta ExpertShardService::TakeLoadDelta() {
-  LoadCounter::Delta d = load_.Take();
+  std::vector<LoadCounter::Delta> deltas = load_.Take();
   const ExecutorStats s = executor_.TakeStatsDelta();
   v1::LoadDelta out;
-  out.set_num_layers(d.num_layers);
-  out.set_num_physical(d.num_physical);
-  out.set_map_version(d.map_version);
-  out.mutable_slot_counts()->Assign(d.counts.begin(), d.counts.end());
+  // The newest version's counts at the top level, older versions' (a switch in progress) beside.
+  for (size_t i = 0; i < deltas.size(); ++i) {
+    const LoadCounter::Delta& d = deltas[deltas.size() - 1 - i];
+    v1::LoadDelta* into = i == 0 ? &out : out.add_other_versions();
+    into->set_num_layers(d.num_layers);
+    into->set_num_physical(d.num_physical);
+    into->set_map_version(d.map_version);
+    into->mutable_slot_counts()->Assign(d.counts.begin(), d.counts.end());
+  }
   out.set_requests(s.requests);
   out.set_tokens(s.tokens);
   out.set_batches(s.batches);

@@ -1,7 +1,9 @@
 // ExpertShardService: the gRPC face of one expert shard. Forward validates and stages each request
 // (request.h), records load, runs it through the batching executor and answers with the token
-// outputs; placement switches (Activate) load the new slots' weights while the current ones keep
-// serving, then swap atomically; the previous version stays accepted until the next switch.
+// outputs. Placement switches (Activate) load the new version's layers while the current ones keep
+// serving (a layer whose local slots hold the same experts as in a snapshot already loaded is
+// shared, not reloaded), then add it atomically. Every loaded version stays accepted until the
+// coordinator says older ones have drained (ReleaseBefore), up to kMaxSnapshots of them.
 //
 // Thread-safety: every method may be called concurrently. Ownership: borrows the WeightSource and
 // the backend; owns the executor and the loaded weight snapshots.
@@ -9,8 +11,10 @@
 #define MOE_SERVER_SHARD_SERVICE_H_
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/function_ref.h"
@@ -36,13 +40,23 @@ class ExpertShardService final : public v1::ExpertShard::Service {
 
   void set_identity(ShardIdentity identity) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Loads the weights of `placement`, prepares the backend, then makes it current. On error the
-  // current placement keeps serving.
+  // Snapshots (map versions) a shard holds at most; activating one more frees the oldest.
+  static constexpr size_t kMaxSnapshots = 4;
+
+  // Loads the weights of `placement`, prepares the backend, then accepts its version (and makes
+  // it current when it is the newest). On error the loaded versions keep serving.
   [[nodiscard]] absl::Status Activate(std::shared_ptr<const ShardPlacement> placement);
-  // Version whose weights are active (0 before the first Activate).
+  // Newest version whose weights are active (0 before the first Activate).
   uint64_t active_version() const;
+  // Whether requests of `map_version` are served.
+  bool Accepts(uint64_t map_version) const;
+  // Frees the snapshots of versions older than `min_version` (never the newest one).
+  void ReleaseBefore(uint64_t min_version);
   // New Forward calls get UNAVAILABLE from now on.
   void StartDraining() { draining_.store(true); }
+  bool draining() const { return draining_.load(); }
+  // Requests waiting for the executor (metrics).
+  size_t queued_requests() const { return executor_.queued_requests(); }
 
   // Takes the load and executor stats counted since the last hand-off and passes them to `send`
   // (the heartbeat RPC), returning its status. The hand-off lock is held until `send` returns and
@@ -68,24 +82,32 @@ class ExpertShardService final : public v1::ExpertShard::Service {
  private:
   struct Snapshot {
     std::shared_ptr<const ShardPlacement> placement;
-    std::shared_ptr<const LoadedWeights> weights;
+    std::vector<LayerWeights> layers;  // [L]; empty when the placement hosts no slot
   };
 
   v1::LoadDelta TakeLoadDelta() ABSL_EXCLUSIVE_LOCKS_REQUIRED(handoff_mu_);
   absl::Status DoForward(const v1::ForwardRequest& request, v1::ForwardResponse* response);
+  // Reports one finished Forward request to the observer, if any.
+  void Observe(const v1::ForwardRequest& request, const v1::ForwardResponse& response,
+               const absl::Status& status, absl::Time start) const;
   // The snapshot serving `map_version` (0: the current one); FAILED_PRECONDITION when stale.
   absl::StatusOr<std::shared_ptr<const Snapshot>> SnapshotFor(uint64_t map_version) const;
+  // Layer `l` of `placement`: shared from a loaded snapshot whose local slots hold the same
+  // experts, else loaded and prepared.
+  absl::StatusOr<LayerWeights> LayerFor(const ShardPlacement& placement, int l)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(activate_mu_);
 
   WeightSource* const source_;
   ExpertBackend* const backend_;
   Executor executor_;
+  ShardObserver* const observer_;  // from ExecutorOptions; may be null
   LoadCounter load_;
   std::atomic<bool> draining_{false};
   absl::Mutex activate_mu_;  // serializes Activate
   absl::Mutex handoff_mu_;   // serializes load hand-offs (HandOffLoad, CollectLoad)
   mutable absl::Mutex mu_;
-  std::shared_ptr<const Snapshot> current_ ABSL_GUARDED_BY(mu_);
-  std::shared_ptr<const Snapshot> previous_ ABSL_GUARDED_BY(mu_);
+  // Loaded versions; the newest is current.
+  std::map<uint64_t, std::shared_ptr<const Snapshot>> snapshots_ ABSL_GUARDED_BY(mu_);
   ShardIdentity identity_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -1,0 +1,425 @@
+// Kernel benchmark of the CUDA expert path on reference problem A (gpt-oss-120b MoE layer:
+// E=128, top-4, H=I=2880, MXFP4, BF16 activations, SWIGLUOAI with biases, interleaved gate/up,
+// uniform routes). Per token count it times CUDA-graph replays of the device pipeline (prologue:
+// grouping + staging, GEMM1 + activation, GEMM2, combine; inputs already on the device), rotating
+// over several routing sets so consecutive passes read different experts and L2 (60 MB) cannot
+// hold the weights (1.7 GB in all), and reports the median against the memory floor (active
+// experts x bytes per expert / copy bandwidth) and the performance.md target. Also measured:
+// device-to-device copy bandwidth (the ceiling, same run), the same graphs with the H2D/D2H
+// copies from pinned memory, a per-stage split, and the relative error against the CPU
+// reference at one small size. Writes JSON (machine, commit, shapes, median and spread).
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "bench/bench_problem.h"
+#include "kernels/cuda/expert_plan.h"
+#include "kernels/cuda/expert_runner.h"
+#include "kernels/experts.h"
+#include "nlohmann/json.hpp"
+
+ABSL_FLAG(std::string, tokens, "1,8,64,512,4096,8192", "token counts to time");
+ABSL_FLAG(int, reps, 0, "timed graph replays per point (0: by size)");
+ABSL_FLAG(std::string, out_json, "", "where to write the JSON results");
+ABSL_FLAG(std::string, commit, "unknown", "commit the binary was built from");
+ABSL_FLAG(int, check_tokens, 8, "token count checked against the CPU reference (0: none)");
+ABSL_FLAG(int, extras_max_tokens, 1 << 30,
+          "up to this token count also time GEMM variants 1..3 (and launches without PDL up to "
+          "64 tokens)");
+
+namespace moe::bench {
+namespace {
+
+using cuda::CudaStatus;
+
+#define BENCH_CHECK_OK(expr)                                                        \
+  do {                                                                              \
+    const absl::Status _s = (expr);                                                 \
+    if (!_s.ok()) {                                                                 \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, _s.ToString().c_str()); \
+      std::exit(1);                                                                 \
+    }                                                                               \
+  } while (0)
+#define CUDA_CHECK_OK(expr) BENCH_CHECK_OK(CudaStatus((expr), #expr))
+
+struct Stats {
+  double median = 0, p10 = 0, p90 = 0, min = 0, max = 0;
+};
+
+Stats Summarize(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  auto at = [&](double q) { return v[static_cast<size_t>(q * (v.size() - 1) + 0.5)]; };
+  return Stats{at(0.5), at(0.1), at(0.9), v.front(), v.back()};
+}
+
+nlohmann::json ToJson(const Stats& s) {
+  return {{"median_us", s.median}, {"p10_us", s.p10}, {"p90_us", s.p90}, {"min_us", s.min},
+          {"max_us", s.max}};
+}
+
+// Device-to-device copy of 1 GiB, bytes read plus written per second (median of 20).
+double CopyBandwidth(cudaStream_t stream) {
+  const size_t bytes = size_t{1} << 30;
+  cuda::DeviceBuffer a, b;
+  BENCH_CHECK_OK(a.Reserve(bytes));
+  BENCH_CHECK_OK(b.Reserve(bytes));
+  CUDA_CHECK_OK(cudaMemsetAsync(a.get(), 1, bytes, stream));
+  cudaEvent_t start, stop;
+  CUDA_CHECK_OK(cudaEventCreate(&start));
+  CUDA_CHECK_OK(cudaEventCreate(&stop));
+  std::vector<double> rates;
+  for (int i = 0; i < 23; ++i) {
+    CUDA_CHECK_OK(cudaEventRecord(start, stream));
+    CUDA_CHECK_OK(cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice, stream));
+    CUDA_CHECK_OK(cudaEventRecord(stop, stream));
+    CUDA_CHECK_OK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CUDA_CHECK_OK(cudaEventElapsedTime(&ms, start, stop));
+    if (i >= 3) rates.push_back(2.0 * bytes / (ms * 1e-3));
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return Summarize(rates).median;
+}
+
+// Device copies of one routing set.
+struct DeviceInputs {
+  HostBatch host;
+  cuda::RoutePlan plan;
+  cuda::DeviceBuffer hidden, ids, weights, out;
+  uint8_t* pinned = nullptr;  // hidden | ids | weights | out, for the with-copies graph
+  size_t in_bytes[3] = {};
+  size_t out_bytes = 0;
+
+  ~DeviceInputs() {
+    if (pinned != nullptr) cudaFreeHost(pinned);
+  }
+  cuda::DeviceBatch Batch() const {
+    cuda::DeviceBatch b;
+    b.hidden = hidden.get();
+    b.hidden_bf16 = true;
+    b.ids = ids.as<int32_t>();
+    b.weights = weights.as<float>();
+    b.out = out.get();
+    b.out_bf16 = true;
+    return b;
+  }
+};
+
+std::unique_ptr<DeviceInputs> Upload(HostBatch host, int num_experts, cudaStream_t stream) {
+  auto d = std::make_unique<DeviceInputs>();
+  d->host = std::move(host);
+  const int64_t tokens = d->host.tokens;
+  d->plan = cuda::PlanRoutes(d->host.ids.data(), tokens, d->host.top_k, nullptr, num_experts, 0);
+  d->in_bytes[0] = d->host.hidden.size() * 2;
+  d->in_bytes[1] = d->host.ids.size() * 4;
+  d->in_bytes[2] = d->host.weights.size() * 4;
+  d->out_bytes = d->in_bytes[0];
+  const void* src[3] = {d->host.hidden.data(), d->host.ids.data(), d->host.weights.data()};
+  cuda::DeviceBuffer* dst[3] = {&d->hidden, &d->ids, &d->weights};
+  const size_t total = d->in_bytes[0] + d->in_bytes[1] + d->in_bytes[2] + d->out_bytes;
+  CUDA_CHECK_OK(cudaMallocHost(reinterpret_cast<void**>(&d->pinned), total));
+  size_t at = 0;
+  for (int i = 0; i < 3; ++i) {
+    BENCH_CHECK_OK(dst[i]->Reserve(d->in_bytes[i]));
+    std::memcpy(d->pinned + at, src[i], d->in_bytes[i]);
+    CUDA_CHECK_OK(cudaMemcpyAsync(dst[i]->get(), src[i], d->in_bytes[i], cudaMemcpyHostToDevice,
+                                  stream));
+    at += d->in_bytes[i];
+  }
+  BENCH_CHECK_OK(d->out.Reserve(d->out_bytes));
+  CUDA_CHECK_OK(cudaStreamSynchronize(stream));
+  return d;
+}
+
+// Enqueues one pass per routing set, optionally with the host copies around each.
+void EnqueuePasses(const cuda::DeviceExpertLayer& layer, cuda::ExpertRunner& runner,
+                   const std::vector<std::unique_ptr<DeviceInputs>>& sets, bool with_copies,
+                   cudaStream_t stream) {
+  for (const auto& s : sets) {
+    if (with_copies) {
+      size_t at = 0;
+      const cuda::DeviceBuffer* dst[3] = {&s->hidden, &s->ids, &s->weights};
+      for (int i = 0; i < 3; ++i) {
+        CUDA_CHECK_OK(cudaMemcpyAsync(dst[i]->get(), s->pinned + at, s->in_bytes[i],
+                                      cudaMemcpyHostToDevice, stream));
+        at += s->in_bytes[i];
+      }
+    }
+    BENCH_CHECK_OK(runner.Enqueue(layer, s->Batch(), s->plan, stream));
+    if (with_copies) {
+      const size_t at = s->in_bytes[0] + s->in_bytes[1] + s->in_bytes[2];
+      CUDA_CHECK_OK(cudaMemcpyAsync(s->pinned + at, s->out.get(), s->out_bytes,
+                                    cudaMemcpyDeviceToHost, stream));
+    }
+  }
+}
+
+// Captures the passes into a graph and times `reps` replays; returns microseconds per pass.
+std::vector<double> TimeGraph(const cuda::DeviceExpertLayer& layer, cuda::ExpertRunner& runner,
+                              const std::vector<std::unique_ptr<DeviceInputs>>& sets,
+                              bool with_copies, int reps, cudaStream_t stream) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_CHECK_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  EnqueuePasses(layer, runner, sets, with_copies, stream);
+  CUDA_CHECK_OK(cudaStreamEndCapture(stream, &graph));
+  CUDA_CHECK_OK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t start, stop;
+  CUDA_CHECK_OK(cudaEventCreate(&start));
+  CUDA_CHECK_OK(cudaEventCreate(&stop));
+  std::vector<double> us;
+  for (int i = 0; i < reps + 3; ++i) {
+    CUDA_CHECK_OK(cudaEventRecord(start, stream));
+    CUDA_CHECK_OK(cudaGraphLaunch(exec, stream));
+    CUDA_CHECK_OK(cudaEventRecord(stop, stream));
+    CUDA_CHECK_OK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CUDA_CHECK_OK(cudaEventElapsedTime(&ms, start, stop));
+    if (i >= 3) us.push_back(ms * 1e3 / sets.size());
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  return us;
+}
+
+// Median time of each stage (prologue, GEMM1, GEMM2, combine) over plain launches.
+std::vector<double> StageSplit(const cuda::DeviceExpertLayer& layer, cuda::ExpertRunner& runner,
+                               const std::vector<std::unique_ptr<DeviceInputs>>& sets,
+                               cudaStream_t stream) {
+  cudaEvent_t ev[5];
+  for (cudaEvent_t& e : ev) CUDA_CHECK_OK(cudaEventCreate(&e));
+  runner.set_stage_events(ev);
+  std::vector<std::vector<double>> per_stage(4);
+  for (int rep = 0; rep < 5; ++rep) {
+    for (const auto& s : sets) {
+      BENCH_CHECK_OK(runner.Enqueue(layer, s->Batch(), s->plan, stream));
+      CUDA_CHECK_OK(cudaEventSynchronize(ev[4]));
+      for (int i = 0; i < 4; ++i) {
+        float ms = 0;
+        CUDA_CHECK_OK(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
+        per_stage[i].push_back(ms * 1e3);
+      }
+    }
+  }
+  runner.set_stage_events(nullptr);
+  for (cudaEvent_t& e : ev) cudaEventDestroy(e);
+  std::vector<double> medians;
+  for (auto& v : per_stage) medians.push_back(Summarize(v).median);
+  return medians;
+}
+
+// Relative error of one pass against the CPU reference.
+double CheckAgainstReference(const ProblemLayer& problem, const cuda::DeviceExpertLayer& layer,
+                             cuda::ExpertRunner& runner, const DeviceInputs& set,
+                             cudaStream_t stream) {
+  BENCH_CHECK_OK(runner.Enqueue(layer, set.Batch(), set.plan, stream));
+  std::vector<uint16_t> got(set.host.hidden.size()), ref(set.host.hidden.size());
+  CUDA_CHECK_OK(cudaMemcpyAsync(got.data(), set.out.get(), got.size() * 2, cudaMemcpyDeviceToHost,
+                                stream));
+  CUDA_CHECK_OK(cudaStreamSynchronize(stream));
+  ExpertsRequest request = set.host.Request(ref.data());
+  BENCH_CHECK_OK(RunExpertsReference(problem.layer, request));
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double g = Bf16ToFloat(got[i]), r = Bf16ToFloat(ref[i]);
+    diff += (g - r) * (g - r);
+    norm += r * r;
+  }
+  return std::isnan(diff) ? NAN : std::sqrt(diff) / std::sqrt(norm);
+}
+
+struct Target {
+  int64_t tokens;
+  double target_us;
+};
+constexpr Target kTargets[] = {{1, 25},    {8, 110},   {64, 400},
+                               {512, 600}, {4096, 1600}, {8192, 3000}};
+
+double TargetFor(int64_t tokens) {
+  for (const Target& t : kTargets) {
+    if (t.tokens == tokens) return t.target_us;
+  }
+  return 0;
+}
+
+int Main() {
+  cudaStream_t stream;
+  CUDA_CHECK_OK(cudaSetDevice(0));
+  CUDA_CHECK_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaDeviceProp prop{};
+  CUDA_CHECK_OK(cudaGetDeviceProperties(&prop, 0));
+  const double copy_bw = CopyBandwidth(stream);
+  std::printf("device: %s, %d SMs, L2 %.0f MB; copy bandwidth %.3f TB/s (read + write)\n",
+              prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6, copy_bw / 1e12);
+
+  const auto t0 = std::chrono::steady_clock::now();
+  ProblemLayer problem = MakeProblemA(/*seed=*/20251129);
+  absl::StatusOr<std::unique_ptr<cuda::DeviceExpertLayer>> uploaded =
+      cuda::UploadExpertLayer(problem.layer, 0, 16);
+  BENCH_CHECK_OK(uploaded.status());
+  const cuda::DeviceExpertLayer& layer = **uploaded;
+  const double bytes_per_expert = ExpertBytes(problem);
+  std::printf("problem A: %d experts, %.2f MB per expert, %.2f GB on the device (%.1f s setup)\n",
+              kProblemExperts, bytes_per_expert / 1e6, layer.device_bytes() / 1e9,
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+
+  nlohmann::json points = nlohmann::json::array();
+  cuda::ExpertRunner runner;
+  std::mt19937_64 rng(7);
+  for (absl::string_view field : absl::StrSplit(absl::GetFlag(FLAGS_tokens), ',')) {
+    const int64_t tokens = std::stoll(std::string(field));
+    const int rotations = tokens <= 8 ? 16 : 2;
+    std::vector<std::unique_ptr<DeviceInputs>> sets;
+    double active = 0;
+    for (int r = 0; r < rotations; ++r) {
+      sets.push_back(Upload(RandomBatch(problem, tokens, rng), kProblemExperts, stream));
+      BENCH_CHECK_OK(runner.Reserve(layer, sets.back()->plan));
+      active += sets.back()->plan.active_slots;
+    }
+    active /= rotations;
+    EnqueuePasses(layer, runner, sets, false, stream);  // warm-up, outside capture
+    CUDA_CHECK_OK(cudaStreamSynchronize(stream));
+    int reps = absl::GetFlag(FLAGS_reps);
+    if (reps <= 0) reps = tokens <= 64 ? 200 : (tokens <= 512 ? 60 : 20);
+    const Stats device = Summarize(TimeGraph(layer, runner, sets, false, reps, stream));
+    const Stats e2e = Summarize(TimeGraph(layer, runner, sets, true, std::max(10, reps / 4), stream));
+    const std::vector<double> stages = StageSplit(layer, runner, sets, stream);
+    nlohmann::json extras = nlohmann::json::array();
+    if (tokens <= absl::GetFlag(FLAGS_extras_max_tokens)) {
+      const struct {
+        const char* name;
+        int variant;
+        bool pdl;
+      } knobs[] = {{"variant1", 1, true},
+                   {"variant2", 2, true},
+                   {"variant3", 3, true},
+                   {"variant0_no_pdl", 0, false}};
+      for (const auto& k : knobs) {
+        if (!k.pdl && tokens > 64) continue;
+        runner.set_gemm_variant(k.variant);
+        runner.set_programmatic_launch(k.pdl);
+        const Stats st = Summarize(TimeGraph(layer, runner, sets, false, reps, stream));
+        std::printf("      %-16s median %8.1f us (p10 %8.1f p90 %8.1f)\n", k.name, st.median,
+                    st.p10, st.p90);
+        extras.push_back({{"name", k.name}, {"device_graph", ToJson(st)}});
+      }
+      runner.set_gemm_variant(0);
+      runner.set_programmatic_launch(true);
+      // Smaller token tiles than the plan's choice: more items, each expert's weights re-read
+      // (from L2 when the items run together), the few-token kernels instead of the tiled one.
+      for (int groups : {2, 4}) {
+        if (groups >= sets[0]->plan.token_groups) continue;
+        std::vector<cuda::RoutePlan> saved;
+        for (auto& set : sets) {
+          saved.push_back(set->plan);
+          set->plan = cuda::WithTokenGroups(set->plan, groups);
+          BENCH_CHECK_OK(runner.Reserve(layer, set->plan));
+        }
+        const Stats st = Summarize(TimeGraph(layer, runner, sets, false, reps, stream));
+        const std::string name = absl::StrCat("token_groups_", groups);
+        std::printf("      %-16s median %8.1f us (p10 %8.1f p90 %8.1f)\n", name.c_str(),
+                    st.median, st.p10, st.p90);
+        extras.push_back({{"name", name}, {"device_graph", ToJson(st)}});
+        for (size_t i = 0; i < sets.size(); ++i) sets[i]->plan = saved[i];
+      }
+    }
+    const double memory_floor = active * bytes_per_expert / 4.23e12 * 1e6;
+    const double measured_floor = active * bytes_per_expert / copy_bw * 1e6;
+    const double flops = 2.0 * tokens * 4 * 3.0 * 2880 * 2880;
+    const double compute_floor = flops / 790e12 * 1e6;
+    const double floor = std::max(memory_floor, compute_floor);
+    const double target = TargetFor(tokens);
+    std::printf(
+        "T=%5lld active=%6.1f groups=%d items=%5lld | median %8.1f us (p10 %8.1f p90 %8.1f) | "
+        "floor %7.1f us (%s) ratio %.2f | target %6.0f us %s | with copies %8.1f us | stages "
+        "%.1f/%.1f/%.1f/%.1f us\n",
+        static_cast<long long>(tokens), active, sets[0]->plan.token_groups,
+        static_cast<long long>(sets[0]->plan.num_items), device.median, device.p10, device.p90,
+        floor, memory_floor >= compute_floor ? "memory" : "compute", device.median / floor,
+        target, target > 0 ? (device.median <= target ? "MET" : "missed") : "", e2e.median,
+        stages[0], stages[1], stages[2], stages[3]);
+    nlohmann::json point = {{"tokens", tokens},
+                            {"rotations", rotations},
+                            {"active_experts", active},
+                            {"token_groups", sets[0]->plan.token_groups},
+                            {"items", sets[0]->plan.num_items},
+                            {"device_graph", ToJson(device)},
+                            {"with_host_copies", ToJson(e2e)},
+                            {"stage_median_us",
+                             {{"prologue", stages[0]},
+                              {"gemm1", stages[1]},
+                              {"gemm2", stages[2]},
+                              {"combine", stages[3]}}},
+                            {"memory_floor_us_at_4.23TBps", memory_floor},
+                            {"memory_floor_us_at_measured_copy_bw", measured_floor},
+                            {"compute_floor_us_at_790TFLOPs", compute_floor},
+                            {"ratio_to_floor", device.median / floor},
+                            {"target_us", target},
+                            {"extras", extras}};
+    if (tokens == absl::GetFlag(FLAGS_check_tokens)) {
+      const double rel = CheckAgainstReference(problem, layer, runner, *sets[0], stream);
+      std::printf("      check vs CPU reference at T=%lld: rel_err %.3e\n",
+                  static_cast<long long>(tokens), rel);
+      point["rel_err_vs_reference"] = rel;
+    }
+    points.push_back(point);
+  }
+
+  nlohmann::json out = {
+      {"benchmark", "kernel_bench: CUDA expert path, problem A"},
+      {"machine",
+       {{"device", prop.name},
+        {"sms", prop.multiProcessorCount},
+        {"l2_bytes", prop.l2CacheSize},
+        {"memory_bytes", prop.totalGlobalMem}}},
+      {"commit", absl::GetFlag(FLAGS_commit)},
+      {"date_unix", static_cast<int64_t>(std::time(nullptr))},
+      {"copy_bandwidth_TBps", copy_bw / 1e12},
+      {"problem",
+       {{"experts", kProblemExperts},
+        {"top_k", 4},
+        {"hidden", 2880},
+        {"intermediate", 2880},
+        {"format", "mxfp4"},
+        {"activation", "swigluoai alpha=1.702 limit=7, biases, interleaved"},
+        {"inputs", "bf16 hidden, uniform routes, bf16 output"},
+        {"bytes_per_expert", bytes_per_expert}}},
+      {"timing",
+       "CUDA graph of `rotations` passes with different routes, per-pass time = replay / "
+       "rotations; median over replays; device-resident inputs unless with_host_copies; "
+       "default: GEMM variant 0, programmatic dependent launch on; stage split from plain "
+       "launches with events between the kernels"},
+      {"points", points}};
+  const std::string path = absl::GetFlag(FLAGS_out_json);
+  if (!path.empty()) {
+    std::ofstream(path) << out.dump(2) << "\n";
+    std::printf("wrote %s\n", path.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace moe::bench
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return moe::bench::Main();
+}

@@ -1,0 +1,332 @@
+"""MoeClient: the Python side of moe-serve, mirroring the C++ MoeClient (client/client.h).
+
+It keeps the cluster map (fetched from the coordinator, kept current by a WatchClusterMap thread),
+plans which shard gets which tokens with the shards' own EPLB replica choice (dispatch.py), calls
+the shards in parallel, and sums their partial outputs per token. Answers that say the map is
+stale (FAILED_PRECONDITION "stale map version") or that a shard is unavailable are retried on a
+refreshed map until the call's deadline.
+
+Thread-safety: forward() may be called from several threads at once. Ownership: the client owns
+its channels and watch thread; close() (or a `with` block) releases them.
+"""
+
+import dataclasses
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from moe_serve_client import dispatch
+from moe_serve_client import pb
+from moe_serve_client import wire
+
+MAX_MESSAGE_BYTES = 256 << 20  # the servers' limit too
+_CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+_WIRE_DTYPES = {"f32": (pb.tensor_pb2.F32, pb.shard_pb2.ACTIVATION_F32),
+                "bf16": (pb.tensor_pb2.BF16, pb.shard_pb2.ACTIVATION_BF16)}
+
+
+class MoeServeError(Exception):
+    """A call the cluster refused or that ran out of time; `code` is the grpc.StatusCode."""
+
+    def __init__(self, code, message):
+        super().__init__("%s: %s" % (code.name, message))
+        self.code = code
+        self.message = message
+
+
+@dataclasses.dataclass
+class ForwardResult:
+    output: np.ndarray  # float32 [T, H]: per token, the sum over every shard's routes
+    map_version: int  # the map version the answer was computed under
+    shards_called: int
+    attempts: int
+
+
+@dataclasses.dataclass
+class LoadStats:
+    """The coordinator's expert-load aggregation, as numpy arrays."""
+    map_version: int
+    expert_load: np.ndarray  # int64 [L, E], summed over replicas
+    slot_load: np.ndarray  # int64 [L, P]
+    shard_load: np.ndarray  # int64 [L, shards]
+    balancedness: np.ndarray  # float64 [L]: mean / max shard load
+    total_routes: int
+    proto: object  # the moe.v1.LoadStats message (per-shard request counts...)
+
+
+@dataclasses.dataclass
+class _MapState:
+    map: object  # moe.v1.ClusterMap
+    layers: list  # dispatch.LayerPlacement per layer
+
+
+def _channel(address):
+    return grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+
+
+def _retryable(error):
+    return error.code() == grpc.StatusCode.UNAVAILABLE or (
+        error.code() == grpc.StatusCode.FAILED_PRECONDITION and
+        "stale map version" in (error.details() or ""))
+
+
+def _all_ready(cluster_map):
+    return cluster_map.version > 0 and len(cluster_map.shards) > 0 and all(
+        s.ready for s in cluster_map.shards)
+
+
+def connect(coordinator, wait=60.0, watch_map=True, default_deadline=30.0):
+    """A client of the cluster whose coordinator listens at `coordinator` ("host:port"), once the
+    coordinator has published a map whose shards are all ready (polling for up to `wait` seconds;
+    MoeServeError UNAVAILABLE after that)."""
+    client = MoeClient(coordinator, watch_map=watch_map, default_deadline=default_deadline)
+    try:
+        client._wait_until_ready(wait)
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+class MoeClient:
+    """Use connect(); see the module docstring."""
+
+    def __init__(self, coordinator, watch_map=True, default_deadline=30.0):
+        self.coordinator = coordinator
+        self.default_deadline = default_deadline
+        self._watch = watch_map
+        self._channel = _channel(coordinator)
+        self._coordinator = pb.coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._lock = threading.Lock()
+        self._state = None
+        self._shards = {}  # address -> (channel, stub)
+        self._closed = threading.Event()
+        self._watch_call = None
+        self._watcher = None
+
+    # --- map ------------------------------------------------------------------------------
+
+    def _wait_until_ready(self, wait):
+        give_up = time.monotonic() + wait
+        backoff, last = 0.02, "no answer"
+        while True:
+            try:
+                self.refresh_map()
+                if _all_ready(self.cluster_map()):
+                    break
+                last = "shards are not all ready yet"
+            except grpc.RpcError as e:
+                last = "%s: %s" % (e.code().name, e.details())
+            if time.monotonic() >= give_up:
+                raise MoeServeError(grpc.StatusCode.UNAVAILABLE, "connecting to coordinator %s: %s"
+                                    % (self.coordinator, last))
+            time.sleep(backoff)  # polling the coordinator at start-up
+            backoff = min(backoff * 2, 0.5)
+        if self._watch:
+            self._watcher = threading.Thread(target=self._watch_loop, daemon=True,
+                                             name="moe-map-watch")
+            self._watcher.start()
+
+    def _install(self, cluster_map):
+        num_experts = cluster_map.model.num_experts
+        layers = [dispatch.LayerPlacement(list(l.physical_to_logical), num_experts)
+                  for l in cluster_map.layers]
+        with self._lock:
+            if self._state is None or self._state.map.version <= cluster_map.version:
+                self._state = _MapState(cluster_map, layers)
+
+    def refresh_map(self):
+        """Fetches the map now (the watch normally keeps it current)."""
+        self._install(self._coordinator.GetClusterMap(pb.coordinator_pb2.GetClusterMapRequest(),
+                                                      timeout=5.0))
+
+    def cluster_map(self):
+        """The moe.v1.ClusterMap the client plans with (None before the first fetch)."""
+        with self._lock:
+            return self._state.map if self._state else None
+
+    def watch_map(self, known_version=0, timeout=None):
+        """Yields each moe.v1.ClusterMap the coordinator publishes, starting with the current one
+        when it is newer than `known_version`. Ends when the stream ends or after `timeout`
+        seconds; closing the generator cancels the stream."""
+        stream = self._coordinator.WatchClusterMap(
+            pb.coordinator_pb2.WatchClusterMapRequest(known_version=known_version),
+            timeout=timeout)
+        try:
+            for cluster_map in stream:
+                yield cluster_map
+        except grpc.RpcError as e:
+            if e.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
+        finally:
+            stream.cancel()
+
+    def _watch_loop(self):
+        while not self._closed.is_set():
+            state = self._current()
+            call = self._coordinator.WatchClusterMap(
+                pb.coordinator_pb2.WatchClusterMapRequest(known_version=state.map.version))
+            with self._lock:
+                self._watch_call = call
+            if self._closed.is_set():
+                call.cancel()
+            try:
+                for cluster_map in call:
+                    self._install(cluster_map)
+            except grpc.RpcError:
+                pass  # cancelled by close(), or the coordinator went away: reconnect below
+            self._closed.wait(0.2)  # reconnect backoff
+
+    def _current(self):
+        with self._lock:
+            if self._state is None:
+                raise MoeServeError(grpc.StatusCode.FAILED_PRECONDITION, "client has no map")
+            return self._state
+
+    def _shard_stub(self, address):
+        with self._lock:
+            if address not in self._shards:
+                channel = _channel(address)
+                self._shards[address] = (channel, pb.shard_pb2_grpc.ExpertShardStub(channel))
+            return self._shards[address][1]
+
+    # --- forward --------------------------------------------------------------------------
+
+    def forward(self, layer, hidden, topk_ids, topk_weights, is_padding=None, *,
+                shared_experts=False, wire_hidden_dtype="bf16", wire_output_dtype="f32",
+                deadline=None):
+        """Runs MoE layer `layer` for a batch and returns a ForwardResult.
+
+        hidden float32 [T, H]; topk_ids int [T, K] logical expert ids (-1 = no route);
+        topk_weights float32 [T, K]; is_padding optional bool [T] (padded tokens are neither
+        computed nor counted as load; their output rows are 0). shared_experts marks each token
+        for exactly one shard to add the shared-expert output (models that have one). Hidden
+        states travel as BF16 (default) or F32, outputs as F32 (default) or BF16. `deadline`:
+        seconds for the whole call, retries included (default: the client's default_deadline).
+        ValueError for malformed arguments; MoeServeError when the cluster refuses the call or
+        the deadline passes."""
+        hidden, ids, weights, padding = self._check(layer, hidden, topk_ids, topk_weights,
+                                                    is_padding)
+        if wire_hidden_dtype not in _WIRE_DTYPES or wire_output_dtype not in _WIRE_DTYPES:
+            raise ValueError("wire dtypes are 'f32' or 'bf16'")
+        give_up = time.monotonic() + (deadline or self.default_deadline)
+        attempt = 0
+        while True:
+            attempt += 1
+            state = self._current()
+            try:
+                output, shards = self._forward_once(state, layer, hidden, ids, weights, padding,
+                                                    shared_experts, wire_hidden_dtype,
+                                                    wire_output_dtype, give_up)
+                return ForwardResult(output, state.map.version, shards, attempt)
+            except grpc.RpcError as e:
+                if not _retryable(e) or time.monotonic() >= give_up:
+                    raise MoeServeError(e.code(), e.details() or "") from None
+            time.sleep(min(0.005 * attempt, max(give_up - time.monotonic(), 0)))
+            try:
+                self.refresh_map()
+            except grpc.RpcError:
+                pass  # the next attempt reports the cluster's state
+
+    def _check(self, layer, hidden, topk_ids, topk_weights, is_padding):
+        model = self._current().map.model
+        if not 0 <= layer < model.num_layers:
+            raise ValueError("layer %d outside [0, %d)" % (layer, model.num_layers))
+        hidden = np.asarray(hidden, dtype=np.float32)
+        ids = np.asarray(topk_ids)
+        weights = np.asarray(topk_weights, dtype=np.float32)
+        if hidden.ndim != 2 or hidden.shape[1] != model.hidden_size:
+            raise ValueError("hidden must be [T, %d], got %s" % (model.hidden_size, hidden.shape))
+        t_count = hidden.shape[0]
+        if ids.ndim != 2 or ids.shape[0] != t_count or ids.shape[1] < 1 or \
+                not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError("topk_ids must be integer [%d, K >= 1], got %s %s"
+                             % (t_count, ids.dtype, ids.shape))
+        if weights.shape != ids.shape:
+            raise ValueError("topk_weights must be %s, got %s" % (ids.shape, weights.shape))
+        if np.any((ids < -1) | (ids >= model.num_experts)):
+            raise ValueError("topk_ids must be in [-1, %d)" % model.num_experts)
+        padding = None
+        if is_padding is not None:
+            padding = np.asarray(is_padding, dtype=bool)
+            if padding.shape != (t_count,):
+                raise ValueError("is_padding must be [%d], got %s" % (t_count, padding.shape))
+        return hidden, ids.astype(np.int32), weights, padding
+
+    def _forward_once(self, state, layer, hidden, ids, weights, padding, shared_experts,
+                      hidden_dtype, output_dtype, give_up):
+        cluster_map = state.map
+        plan = dispatch.plan_dispatch(state.layers[layer], list(cluster_map.slot_to_rank),
+                                      len(cluster_map.shards), ids, padding, shared_experts)
+        tensor_dtype, activation_format = _WIRE_DTYPES[hidden_dtype]
+        hidden_wire = wire.float_to_bf16_bits(hidden) if hidden_dtype == "bf16" else hidden
+        calls = []
+        for rank, rows in enumerate(plan.tokens_by_rank):
+            if len(rows) == 0:
+                continue
+            request = pb.shard_pb2.ForwardRequest(
+                model_fingerprint=cluster_map.model.fingerprint, layer=layer,
+                map_version=cluster_map.version,
+                hidden_states=pb.shard_pb2.HiddenStates(
+                    format=activation_format, data=wire.to_tensor(hidden_wire[rows], tensor_dtype)),
+                topk_ids=wire.to_tensor(ids[rows], pb.tensor_pb2.I32),
+                topk_weights=wire.to_tensor(weights[rows], pb.tensor_pb2.F32),
+                token_indices=wire.to_tensor(rows, pb.tensor_pb2.I64),
+                output_dtype=_WIRE_DTYPES[output_dtype][0])
+            if padding is not None:
+                request.is_padding.CopyFrom(wire.to_tensor(padding[rows], pb.tensor_pb2.BOOL))
+            if shared_experts:
+                request.shared_mask.CopyFrom(
+                    wire.to_tensor(plan.shared_rank[rows] == rank, pb.tensor_pb2.BOOL))
+            stub = self._shard_stub(cluster_map.shards[rank].address)
+            timeout = max(give_up - time.monotonic(), 0.001)
+            calls.append((rank, rows, stub.Forward.future(request, timeout=timeout)))
+        output = np.zeros(hidden.shape, dtype=np.float32)
+        for rank, rows, future in calls:
+            partial = wire.from_tensor(future.result().output)
+            if partial.shape != (len(rows), hidden.shape[1]):
+                raise MoeServeError(grpc.StatusCode.INTERNAL, "shard %d answered shape %s for %d "
+                                    "tokens" % (rank, partial.shape, len(rows)))
+            output[rows] += partial
+        return output, len(calls)
+
+    # --- load -----------------------------------------------------------------------------
+
+    def load_stats(self, refresh=True):
+        """The coordinator's load aggregation (refresh: collect the shards' pending counts
+        first)."""
+        stats = self._coordinator.GetLoadStats(
+            pb.coordinator_pb2.GetLoadStatsRequest(refresh=refresh), timeout=10.0)
+
+        def stack(field):
+            return np.array([list(getattr(l, field)) for l in stats.layers], dtype=np.int64)
+        return LoadStats(map_version=stats.map_version, expert_load=stack("expert_load"),
+                         slot_load=stack("slot_load"), shard_load=stack("shard_load"),
+                         balancedness=np.array([l.balancedness for l in stats.layers]),
+                         total_routes=stats.total_routes, proto=stats)
+
+    # --- lifetime -------------------------------------------------------------------------
+
+    def close(self):
+        """Stops the map watch and closes every channel. Idempotent."""
+        self._closed.set()
+        with self._lock:
+            call = self._watch_call
+        if call is not None:
+            call.cancel()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=5.0)
+        with self._lock:
+            shards, self._shards = self._shards, {}
+        for channel, _ in shards.values():
+            channel.close()
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

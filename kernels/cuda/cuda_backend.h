@@ -1,0 +1,36 @@
+// The CUDA (sm_90a) expert backend behind ExpertBackend: MXFP4 and NVFP4 weights are repacked and
+// kept on the device per layer (PrepareLayer); each Run copies the batch (hidden states, local
+// ids, top-k weights, shared mask) to the device, runs the expert kernels (expert_kernels.h) and
+// copies the F32/BF16 output back. Results are bitwise repeatable run to run.
+//
+// Called by CreateBackend("cuda") and tests. Thread-safety and ownership as ExpertBackend: one
+// thread at a time per instance; device copies of the layers are owned by the instance.
+// No CUDA headers here, so the factory can be linked into CPU-only builds (where it reports
+// FAILED_PRECONDITION "built without CUDA").
+#ifndef MOE_KERNELS_CUDA_CUDA_BACKEND_H_
+#define MOE_KERNELS_CUDA_CUDA_BACKEND_H_
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+
+namespace moe {
+
+struct CudaBackendOptions {
+  int device = 0;
+  // Fill intermediate device buffers with NaN before every Run (tests: unwritten elements show).
+  bool poison_scratch = false;
+  // Host threads that repack weights in PrepareLayer; 0 = hardware concurrency.
+  int upload_threads = 0;
+  // GEMM kernel variant (expert_kernels.h GemmLaunch::variant); tests cover both.
+  int gemm_variant = 0;
+};
+
+// FAILED_PRECONDITION with the reason when the binary has no CUDA or no device is present.
+absl::StatusOr<std::unique_ptr<ExpertBackend>> MakeCudaExpertBackend(
+    const CudaBackendOptions& options = {});
+
+}  // namespace moe
+
+#endif  // MOE_KERNELS_CUDA_CUDA_BACKEND_H_

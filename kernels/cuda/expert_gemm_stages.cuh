@@ -1,0 +1,296 @@
+// Device stages shared by the expert GEMM kernels (expert_gemm.cu: weight-streaming kernel for few
+// tokens; expert_gemm_tiled.cu: shared-memory B tiles for many tokens): loads, E2M1 dequant,
+// mma.sync, the two epilogues, and the programmatic-launch controls. Device code only; included
+// by .cu files (no abseil, no protobuf).
+#ifndef MOE_KERNELS_CUDA_EXPERT_GEMM_STAGES_CUH_
+#define MOE_KERNELS_CUDA_EXPERT_GEMM_STAGES_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/expert_kernels.h"
+#include "kernels/cuda/fp4_fragment.h"
+
+namespace moe::cuda::detail {
+
+// Programmatic dependent launch (sm_90): wait until the grids this one depends on have finished
+// and their writes are visible; let the next grid in the stream start launching its CTAs.
+// Both are no-ops when the kernel was launched without the programmatic attribute.
+__device__ __forceinline__ void WaitForPrerequisites() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+__device__ __forceinline__ void AllowDependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// ---- Weight formats: how a lane's scale data turns into the bf16x2 factor of a k-step.
+struct Mxfp4 {
+  using Scale = uint32_t;
+  static __device__ __forceinline__ uint32_t Pair(const Scale& s, int step, int row8) {
+    return MxScalePair(s, MxScaleByte(step, row8));
+  }
+};
+struct Nvfp4 {
+  using Scale = uint4;
+  static __device__ __forceinline__ uint32_t Pair(const Scale& s, int step, int row8) {
+    const uint32_t w = step == 0 ? s.x : step == 1 ? s.y : step == 2 ? s.z : s.w;
+    return NvScalePair(w, row8);
+  }
+};
+
+// Predicated loads that leave the destination untouched when `pred` is false: no zero-fill, so
+// the compiler needs no branch around them (BSSY/BSYNC) and no register copies.
+__device__ __forceinline__ void LoadStreamingIf(bool pred, const uint4* p, uint4& r) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+      " @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
+      : "+r"(r.x), "+r"(r.y), "+r"(r.z), "+r"(r.w)
+      : "l"(p), "r"(static_cast<int>(pred)));
+}
+__device__ __forceinline__ void LoadIf(bool pred, const uint4* p, uint4& r) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+      " @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
+      : "+r"(r.x), "+r"(r.y), "+r"(r.z), "+r"(r.w)
+      : "l"(p), "r"(static_cast<int>(pred)));
+}
+__device__ __forceinline__ void LoadIf(bool pred, const uint32_t* p, uint32_t& r) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p ld.global.nc.u32 %0, [%1];\n}"
+      : "+r"(r)
+      : "l"(p), "r"(static_cast<int>(pred)));
+}
+
+__device__ __forceinline__ void PrefetchL1(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+}
+
+__device__ __forceinline__ uint32_t MulBf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+__device__ __forceinline__ void Mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t Word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// ---- Stage 1: load one chunk (16 bytes of codes + the scales) of each of the warp's tiles.
+// Tiles past the matrix point at tile 0 instead: their results are never written (GEMM1 writes
+// zeros for j >= I, GEMM2 skips h >= H), so they need no zero-fill.
+template <class Fmt, int RW>
+struct WeightStream {
+  const uint4* values[RW];
+  const typename Fmt::Scale* scales[RW];
+
+  __device__ __forceinline__ void LoadIf(bool pred, int chunk, uint4 (&v)[RW],
+                                         typename Fmt::Scale (&s)[RW]) const {
+#pragma unroll
+    for (int r = 0; r < RW; ++r) {
+      LoadStreamingIf(pred, values[r] + static_cast<int64_t>(chunk) * kWarpLanes, v[r]);
+      detail::LoadIf(pred, scales[r] + static_cast<int64_t>(chunk) * 8, s[r]);
+    }
+  }
+};
+
+// ---- Stage 2: one k-step of one tile -> the four bf16x2 A registers.
+template <class Fmt>
+__device__ __forceinline__ void DequantStep(const uint4& v, const typename Fmt::Scale& s, int step,
+                                            uint32_t (&a)[4]) {
+  uint32_t raw[4];
+  UnpackFragmentWord(Word(v, step), raw);
+  const uint32_t scale_g = Fmt::Pair(s, step, 0);
+  const uint32_t scale_g8 = Fmt::Pair(s, step, 1);
+  a[0] = MulBf16x2(raw[0], scale_g);
+  a[1] = MulBf16x2(raw[1], scale_g8);
+  a[2] = MulBf16x2(raw[2], scale_g);
+  a[3] = MulBf16x2(raw[3], scale_g8);
+}
+
+// ---- Stage 3: multiply one chunk: B fragments of the G token groups, 4 k-steps, RW tiles.
+// B fragments of one chunk for one token group; rows of absent tokens stay zero (b_row null).
+__device__ __forceinline__ void LoadBIf(bool pred, const uint4* b_row, int chunk, uint4 (&b)[2]) {
+  const bool load = pred && b_row != nullptr;
+  const uint4* at = b_row + chunk * kActChunkVectors;
+  LoadIf(load, at, b[0]);
+  LoadIf(load, at + 1, b[1]);
+}
+
+// Two k-steps (2u, 2u + 1) whose B registers are b[q] (x, y: step 2u; z, w: step 2u + 1).
+template <class Fmt, int RW, int G>
+__device__ __forceinline__ void MultiplyHalfChunk(const uint4 (&v)[RW],
+                                                  const typename Fmt::Scale (&s)[RW], int u,
+                                                  const uint4 (&b)[G], float (&acc)[RW][G][4]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int step = 2 * u + half;
+#pragma unroll
+    for (int r = 0; r < RW; ++r) {
+      uint32_t a[4];
+      DequantStep<Fmt>(v[r], s[r], step, a);
+#pragma unroll
+      for (int q = 0; q < G; ++q) {
+        Mma(acc[r][q], a, half == 0 ? b[q].x : b[q].z, half == 0 ? b[q].y : b[q].w);
+      }
+    }
+  }
+}
+
+// B fragments already in registers (loaded a chunk ahead).
+template <class Fmt, int RW, int G>
+__device__ __forceinline__ void MultiplyChunkLoaded(const uint4 (&v)[RW],
+                                                    const typename Fmt::Scale (&s)[RW],
+                                                    const uint4 (&b)[G][2],
+                                                    float (&acc)[RW][G][4]) {
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    uint4 bu[G];
+#pragma unroll
+    for (int q = 0; q < G; ++q) bu[q] = b[q][u];
+    MultiplyHalfChunk<Fmt, RW, G>(v, s, u, bu, acc);
+  }
+}
+
+// B fragments loaded here, half a chunk at a time (fewer live registers for large G).
+template <class Fmt, int RW, int G>
+__device__ __forceinline__ void MultiplyChunk(const uint4 (&v)[RW],
+                                              const typename Fmt::Scale (&s)[RW],
+                                              const uint4* const (&b_rows)[G], int chunk,
+                                              float (&acc)[RW][G][4]) {
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    uint4 b[G];
+#pragma unroll
+    for (int q = 0; q < G; ++q) {
+      b[q] = b_rows[q] != nullptr ? __ldg(b_rows[q] + chunk * kActChunkVectors + u)
+                                  : make_uint4(0u, 0u, 0u, 0u);
+    }
+    MultiplyHalfChunk<Fmt, RW, G>(v, s, u, b, acc);
+  }
+}
+
+// ---- Stage 5a: GEMM1 epilogue. Tile rows 0..7 are gate j, rows 8..15 up j (repack.h), so a
+// lane holds gate and up of the same (j, token) in c0/c2 and c1/c3: the activation is local.
+__device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+__device__ __forceinline__ float Activate(const ActivationDesc& d, float g, float u) {
+  switch (d.kind) {
+    case ActKind::kSilu:
+      return g / (1.f + expf(-g)) * u;
+    case ActKind::kSwigluOai: {
+      g = fminf(g, d.limit);
+      u = fminf(fmaxf(u, -d.limit), d.limit);
+      return (u + 1.f) * (g * Sigmoid(d.alpha * g));
+    }
+    case ActKind::kSitu: {
+      const float gate = d.beta * tanhf(g / d.beta) * Sigmoid(g);
+      const float up = d.linear_beta > 0.f ? d.linear_beta * tanhf(u / d.linear_beta) : u;
+      return gate * up;
+    }
+    case ActKind::kGelu:
+      return 0.5f * g * (1.f + erff(g * 0.70710678118654752f)) * u;
+    case ActKind::kGeluTanh: {
+      const float inner = 0.79788456080286536f * (g + 0.044715f * g * g * g);
+      return 0.5f * g * (1.f + tanhf(inner)) * u;
+    }
+  }
+  return __int_as_float(0x7fffffff);
+}
+
+template <int RW, int G>
+__device__ __forceinline__ void EpilogueAct(const ExpertGemmParams& p, const ExpertItem& item,
+                                            int tile0, int lane, const float (&acc)[RW][G][4]) {
+  const int g = lane >> 2, t = lane & 3;
+  const float scale_gate = p.ep_scale[item.expert * 3 + 0];
+  const float scale_up = p.ep_scale[item.expert * 3 + 1];
+#pragma unroll
+  for (int r = 0; r < RW; ++r) {
+    const int j = (tile0 + r) * 8 + g;
+    if ((tile0 + r) * 8 >= p.out_cols) continue;
+    const bool real = j < p.out_valid;
+    const int64_t bias_at = static_cast<int64_t>(item.expert) * p.out_valid + j;
+    const float bias_gate = real ? p.bias_a[bias_at] : 0.f;
+    const float bias_up = real ? p.bias_b[bias_at] : 0.f;
+    const int pos = (j >> 6) * kChunkK + ActPermIndex(j & 63);
+#pragma unroll
+    for (int q = 0; q < G; ++q) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = q * kTileTokens + 2 * t + e;
+        if (col >= item.count) continue;
+        const float value =
+            real ? Activate(p.act, acc[r][q][e] * scale_gate + bias_gate,
+                            acc[r][q][2 + e] * scale_up + bias_up)
+                 : 0.f;
+        const int64_t row = item.slot_begin + col;
+        p.act_out[row * p.out_cols + pos] = __bfloat16_as_ushort(__float2bfloat16_rn(value));
+      }
+    }
+  }
+}
+
+// ---- Stage 5b: GEMM2 epilogue: y[route, h] = acc * scale + b2[h], one fp32 row per route.
+template <int RW, int G>
+__device__ __forceinline__ void EpilogueY(const ExpertGemmParams& p, const ExpertItem& item,
+                                          int tile0, int lane, const float (&acc)[RW][G][4]) {
+  const int g = lane >> 2, t = lane & 3;
+  const float scale = p.ep_scale[item.expert * 3 + 2];
+  int64_t route[G][2];
+#pragma unroll
+  for (int q = 0; q < G; ++q)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = q * kTileTokens + 2 * t + e;
+      route[q][e] = col < item.count ? p.slot_route[item.slot_begin + col] : -1;
+    }
+#pragma unroll
+  for (int r = 0; r < RW; ++r) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int h = (tile0 + r) * kTileRows + g + 8 * half;
+      if (h >= p.out_valid) continue;
+      const float bias = p.bias_a[static_cast<int64_t>(item.expert) * p.out_valid + h];
+#pragma unroll
+      for (int q = 0; q < G; ++q)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (route[q][e] < 0) continue;
+          p.y_out[route[q][e] * p.out_cols + h] = acc[r][q][2 * half + e] * scale + bias;
+        }
+    }
+  }
+}
+
+// Launches `kernel` on a 1-D grid, with the programmatic-dependent-launch attribute when asked.
+template <typename... Params, typename... Args>
+cudaError_t LaunchMaybeProgrammatic(void (*kernel)(Params...), unsigned blocks, unsigned threads,
+                                    bool programmatic, cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(threads);
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = programmatic ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+// The tiled kernel family (expert_gemm_tiled.cu), for token_groups 4 and 8.
+cudaError_t LaunchTiledGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
+                            cudaStream_t stream);
+
+}  // namespace moe::cuda::detail
+
+#endif  // MOE_KERNELS_CUDA_EXPERT_GEMM_STAGES_CUH_

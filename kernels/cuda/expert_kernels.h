@@ -1,0 +1,140 @@
+// Launchers and Params structs of the CUDA expert-execution kernels (one MoE layer, FP4 weights):
+//   1. prologue  (expert_prologue.cu): groups the routes by expert slot into token tiles ("items")
+//      and stages the hidden states as permuted bf16 rows (fp4_fragment.h);
+//   2. GEMM1     (expert_gemm.cu, expert_gemm_tiled.cu): act = activation(w13 @ x + b13) per
+//      route, bf16, permuted;
+//   3. GEMM2     (same): y[route] = w2 @ act + b2, fp32, one row per (token, k) route;
+//   4. combine   (expert_combine.cu): out[t] = sum_k w[t, k] * y[t, k] (+ shared experts), in k
+//      order, so the result is bitwise repeatable (no atomics anywhere on the data path).
+// Every pointer is device memory. Launchers only enqueue on `stream` and return the launch error.
+//
+// Called by expert_runner.cc. Thread-safety: launchers are reentrant; Params are plain values.
+// Host-side header: needs only the CUDA runtime API, no device code, no abseil.
+#ifndef MOE_KERNELS_CUDA_EXPERT_KERNELS_H_
+#define MOE_KERNELS_CUDA_EXPERT_KERNELS_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace moe::cuda {
+
+enum class Fp4Format : int { kMxfp4 = 0, kNvfp4 = 1 };
+
+// Mirrors moe::ActivationKind (kernels/activation.h); expert_runner.cc checks the values match.
+enum class ActKind : int { kSilu = 0, kSwigluOai = 1, kSitu = 2, kGelu = 3, kGeluTanh = 4 };
+
+struct ActivationDesc {
+  ActKind kind = ActKind::kSilu;
+  float alpha = 1.702f;
+  float limit = 7.f;
+  float beta = 1.f;
+  float linear_beta = 0.f;
+};
+
+// One work item of the GEMMs: up to tile_tokens consecutive slots of one expert slot.
+struct ExpertItem {
+  int32_t expert;      // slot index in [0, num_experts + num_shared)
+  int32_t slot_begin;  // first position in slot_token / slot_route
+  int32_t count;       // tokens in this item, 1..tile_tokens
+  int32_t unused;
+};
+
+struct ExpertPrologueParams {
+  // Inputs.
+  const void* hidden = nullptr;  // [T, H] F32, or BF16 when hidden_bf16
+  bool hidden_bf16 = false;
+  const int32_t* ids = nullptr;           // [T, K] local slot or -1
+  const uint8_t* shared_mask = nullptr;   // [T] or null
+  int32_t tokens = 0;                     // T
+  int32_t top_k = 0;                      // K
+  int32_t hidden_size = 0;                // H
+  int32_t hidden_chunks = 0;              // ceil(H / 64)
+  int32_t num_experts = 0;                // routed slots E
+  int32_t num_shared = 0;                 // shared experts S (slots E .. E+S-1)
+  int32_t tile_tokens = 8;                // tokens per item (8 * token groups)
+  // Outputs.
+  uint16_t* x_staged = nullptr;    // [T, hidden_chunks * 64] bf16, permuted per chunk, zero-padded
+  int32_t* slot_token = nullptr;   // [routes] token of each grouped slot
+  int32_t* slot_route = nullptr;   // [routes] y row of each grouped slot: t*K+k or T*K + s*T + t
+  ExpertItem* items = nullptr;     // [>= number of items]
+  int32_t* num_items = nullptr;    // [1]
+};
+
+// Shared smem-bounded limit of the grouping block (counts, offsets, cursors per slot).
+inline constexpr int kMaxPrologueSlots = 4096;
+
+struct ExpertGemmParams {
+  // Packed weights (repack.h layout), all expert slots back to back.
+  const void* values = nullptr;   // uint4 [slots][tiles][chunks][32]
+  const void* scales = nullptr;   // MXFP4: uint32 [slots][tiles][chunks][8]; NVFP4: uint4 [...]
+  int64_t values_expert_stride = 0;  // in uint4
+  int64_t scales_expert_stride = 0;  // in scale units (uint32 for MXFP4, uint4 for NVFP4)
+  int32_t tiles = 0;                 // 16-row tiles per expert
+  int32_t chunks = 0;                // 64-element K chunks
+  // B operand rows (permuted bf16, `chunks` * 64 elements each).
+  const uint16_t* b_rows = nullptr;
+  const int32_t* b_row_of_slot = nullptr;  // GEMM1: slot_token; GEMM2: null (row = slot)
+  // Schedule.
+  const ExpertItem* items = nullptr;
+  const int32_t* num_items = nullptr;
+  // Epilogue. ep_scale[slot * 3 + {0, 1, 2}] = gate, up, w2 factors (global scale times the
+  // exponent offset of the packing).
+  const float* ep_scale = nullptr;
+  const float* bias_a = nullptr;  // GEMM1: gate bias [slots][I]; GEMM2: b2 [slots][H]
+  const float* bias_b = nullptr;  // GEMM1: up bias [slots][I]; GEMM2: unused
+  int32_t out_valid = 0;          // GEMM1: I; GEMM2: H (rows that exist)
+  int32_t out_cols = 0;           // GEMM1: I padded to 64 (act row length); GEMM2: H
+  ActivationDesc act;             // GEMM1 only
+  uint16_t* act_out = nullptr;    // GEMM1: [slots][out_cols] bf16, permuted
+  float* y_out = nullptr;         // GEMM2: [route rows][H]
+  const int32_t* slot_route = nullptr;  // GEMM2: y row of each slot
+};
+
+struct ExpertCombineParams {
+  const float* y = nullptr;              // [T*K + S*T, H]
+  const int32_t* ids = nullptr;          // [T, K]
+  const float* weights = nullptr;        // [T, K]
+  const uint8_t* shared_mask = nullptr;  // [T] or null
+  int32_t tokens = 0;
+  int32_t top_k = 0;
+  int32_t hidden_size = 0;
+  int32_t num_shared = 0;
+  void* out = nullptr;  // [T, H] F32, or BF16 when out_bf16
+  bool out_bf16 = false;
+};
+
+// Launched as a plain kernel: it overwrites scratch the previous batch's kernels read. It lets
+// GEMM1 (launched programmatically) start launching at once; GEMM1 waits for its completion.
+cudaError_t LaunchExpertPrologue(const ExpertPrologueParams& p, cudaStream_t stream);
+
+inline constexpr int kMaxGemmVariant = 3;
+
+struct GemmLaunch {
+  Fp4Format format = Fp4Format::kMxfp4;
+  bool gemm1 = true;
+  int token_groups = 1;  // 1, 2, 4 or 8
+  // Tuning, 0..kMaxGemmVariant. token_groups <= 2: 0, 1, 2 = the weight-streaming kernel
+  // (expert_gemm.cu: 1 row warp, 1 row warp + L1 warm-up of B, 2 row warps + warm-up),
+  // 3 = the tiled kernel. token_groups >= 4: 0, 1, 2 = tiled configurations
+  // (expert_gemm_tiled.cu), 3 = the streaming kernel. 0 is the measured best (NOTES-cuda.md).
+  int variant = 0;
+  int num_items = 0;     // the host's count (the device writes the same to *p.num_items)
+  // Programmatic dependent launch: the kernel may start before its predecessor in the stream
+  // finishes and waits (griddepcontrol.wait) before reading what that predecessor wrote.
+  // REQUIRES: the predecessor is the prologue (GEMM1) or GEMM1 (GEMM2).
+  bool programmatic = false;
+};
+
+// grid = row blocks x num_items CTAs: row blocks = ceil(GEMM rows / rows per CTA), where GEMM1
+// rows are 2 * I padded to 64 (every act column is written, zeros past I) and GEMM2 rows are H.
+cudaError_t LaunchExpertGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
+                             cudaStream_t stream);
+
+// programmatic: as GemmLaunch (the predecessor is GEMM2).
+cudaError_t LaunchExpertCombine(const ExpertCombineParams& p, bool programmatic,
+                                cudaStream_t stream);
+
+}  // namespace moe::cuda
+
+#endif  // MOE_KERNELS_CUDA_EXPERT_KERNELS_H_

@@ -1,0 +1,48 @@
+#include "kernels/cuda/expert_plan.h"
+
+#include <algorithm>
+#include <utility>
+
+namespace moe::cuda {
+
+int ChooseTokenGroups(int64_t max_count) {
+  if (max_count <= 8) return 1;
+  if (max_count <= 16) return 2;
+  if (max_count <= 32) return 4;
+  return 8;
+}
+
+RoutePlan PlanRoutes(const int32_t* ids, int64_t tokens, int64_t top_k,
+                     const uint8_t* shared_mask, int num_experts, int num_shared) {
+  RoutePlan plan;
+  plan.tokens = tokens;
+  plan.top_k = top_k;
+  plan.num_experts = num_experts;
+  plan.num_shared = shared_mask != nullptr ? num_shared : 0;
+  plan.counts.assign(static_cast<size_t>(num_experts + plan.num_shared), 0);
+  for (int64_t i = 0; i < tokens * top_k; ++i) {
+    if (ids[i] >= 0) ++plan.counts[ids[i]];
+  }
+  if (plan.num_shared > 0) {
+    int32_t marked = 0;
+    for (int64_t t = 0; t < tokens; ++t) marked += shared_mask[t] != 0 ? 1 : 0;
+    for (int s = 0; s < plan.num_shared; ++s) plan.counts[num_experts + s] = marked;
+  }
+  for (int32_t c : plan.counts) {
+    plan.slotted_routes += c;
+    plan.max_count = std::max(plan.max_count, c);
+    plan.active_slots += c > 0 ? 1 : 0;
+  }
+  plan.y_rows = tokens * top_k + static_cast<int64_t>(plan.num_shared) * tokens;
+  return WithTokenGroups(std::move(plan), ChooseTokenGroups(plan.max_count));
+}
+
+RoutePlan WithTokenGroups(RoutePlan plan, int token_groups) {
+  plan.token_groups = token_groups;
+  const int64_t tile = 8 * token_groups;
+  plan.num_items = 0;
+  for (int32_t c : plan.counts) plan.num_items += (c + tile - 1) / tile;
+  return plan;
+}
+
+}  // namespace moe::cuda

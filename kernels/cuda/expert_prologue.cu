@@ -1,0 +1,184 @@
+// Expert prologue (see expert_kernels.h): one launch whose block 0 groups the routes by expert
+// slot and cuts each slot's tokens into items of tile_tokens, while the other blocks stage the
+// hidden states as bf16 rows permuted per 64-element chunk (fp4_fragment.h ActPermIndex),
+// zero-padded to whole chunks. Merging the two saves a launch at decode sizes.
+//
+// Slot positions inside one expert come from shared-memory atomics, so their order may differ
+// between runs; no result depends on it (every route's GEMM column is computed independently and
+// the combine reads y by route, in k order).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/cuda/expert_kernels.h"
+#include "kernels/cuda/fp4_fragment.h"
+
+namespace moe::cuda {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxStagingBlocks = 2048;
+
+// Exclusive scan of two per-slot sequences (token counts and item counts) by one block: each
+// thread owns a contiguous run of slots, warps scan the run totals, warp 0 scans warp totals.
+__device__ void ScanSlots(const int32_t* count, int slots, int tile_tokens, int32_t* offset,
+                          int32_t* item_offset, int2* warp_totals, int32_t* num_items) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int per_thread = (slots + kThreads - 1) / kThreads;
+  const int begin = min(slots, tid * per_thread), end = min(slots, begin + per_thread);
+  int tokens = 0, items = 0;
+  for (int e = begin; e < end; ++e) {
+    tokens += count[e];
+    items += (count[e] + tile_tokens - 1) / tile_tokens;
+  }
+  int inc_tokens = tokens, inc_items = items;
+  for (int d = 1; d < 32; d <<= 1) {
+    const int up_tokens = __shfl_up_sync(0xffffffffu, inc_tokens, d);
+    const int up_items = __shfl_up_sync(0xffffffffu, inc_items, d);
+    if (lane >= d) {
+      inc_tokens += up_tokens;
+      inc_items += up_items;
+    }
+  }
+  if (lane == 31) warp_totals[warp] = make_int2(inc_tokens, inc_items);
+  __syncthreads();
+  if (warp == 0) {
+    int2 v = lane < kWarps ? warp_totals[lane] : make_int2(0, 0);
+    for (int d = 1; d < 32; d <<= 1) {
+      const int ux = __shfl_up_sync(0xffffffffu, v.x, d);
+      const int uy = __shfl_up_sync(0xffffffffu, v.y, d);
+      if (lane >= d) {
+        v.x += ux;
+        v.y += uy;
+      }
+    }
+    if (lane < kWarps) warp_totals[lane] = v;  // inclusive
+    if (lane == kWarps - 1) *num_items = v.y;
+  }
+  __syncthreads();
+  int run_tokens = inc_tokens - tokens + (warp > 0 ? warp_totals[warp - 1].x : 0);
+  int run_items = inc_items - items + (warp > 0 ? warp_totals[warp - 1].y : 0);
+  for (int e = begin; e < end; ++e) {
+    offset[e] = run_tokens;
+    item_offset[e] = run_items;
+    run_tokens += count[e];
+    run_items += (count[e] + tile_tokens - 1) / tile_tokens;
+  }
+}
+
+__device__ void GroupRoutes(const ExpertPrologueParams& p) {
+  extern __shared__ int32_t smem[];
+  const int slots = p.num_experts + p.num_shared;
+  int32_t* count = smem;
+  int32_t* offset = smem + slots;
+  int32_t* item_offset = smem + 2 * slots;
+  int2* warp_totals = reinterpret_cast<int2*>(smem + 3 * slots + (slots & 1));
+  const int tid = threadIdx.x;
+  const int64_t routes = static_cast<int64_t>(p.tokens) * p.top_k;
+  const bool shared = p.num_shared > 0 && p.shared_mask != nullptr;
+
+  for (int e = tid; e < slots; e += kThreads) count[e] = 0;
+  __syncthreads();
+  for (int64_t i = tid; i < routes; i += kThreads) {
+    const int id = p.ids[i];
+    if (id >= 0) atomicAdd(&count[id], 1);
+  }
+  if (shared) {
+    for (int t = tid; t < p.tokens; t += kThreads) {
+      if (p.shared_mask[t] != 0) {
+        for (int s = 0; s < p.num_shared; ++s) atomicAdd(&count[p.num_experts + s], 1);
+      }
+    }
+  }
+  __syncthreads();
+  ScanSlots(count, slots, p.tile_tokens, offset, item_offset, warp_totals, p.num_items);
+  __syncthreads();
+  for (int e = tid; e < slots; e += kThreads) {
+    const int n = count[e];
+    for (int i = 0, done = 0; done < n; ++i, done += p.tile_tokens) {
+      p.items[item_offset[e] + i] = ExpertItem{e, offset[e] + done, min(p.tile_tokens, n - done), 0};
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < slots; e += kThreads) count[e] = offset[e];  // now the write cursors
+  __syncthreads();
+  for (int64_t i = tid; i < routes; i += kThreads) {
+    const int id = p.ids[i];
+    if (id < 0) continue;
+    const int pos = atomicAdd(&count[id], 1);
+    p.slot_token[pos] = static_cast<int32_t>(i / p.top_k);
+    p.slot_route[pos] = static_cast<int32_t>(i);
+  }
+  if (shared) {
+    for (int t = tid; t < p.tokens; t += kThreads) {
+      if (p.shared_mask[t] == 0) continue;
+      for (int s = 0; s < p.num_shared; ++s) {
+        const int pos = atomicAdd(&count[p.num_experts + s], 1);
+        p.slot_token[pos] = t;
+        p.slot_route[pos] = static_cast<int32_t>(routes + static_cast<int64_t>(s) * p.tokens + t);
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ uint32_t HiddenBf16(const ExpertPrologueParams& p, int64_t row_base,
+                                               int k) {
+  if (k >= p.hidden_size) return 0u;
+  if (p.hidden_bf16) return static_cast<const uint16_t*>(p.hidden)[row_base + k];
+  return __bfloat16_as_ushort(__float2bfloat16_rn(static_cast<const float*>(p.hidden)[row_base + k]));
+}
+
+// One 16-byte vector of the staged row: vector w of chunk c holds, for lane t = w / 2 and
+// k-steps 2u, 2u+1 (u = w % 2), the B register pairs (k, k+1) and (k+8, k+9), k = 16 step + 2t.
+__device__ void StageHidden(const ExpertPrologueParams& p, int block, int blocks) {
+  const int64_t vectors_per_row = static_cast<int64_t>(p.hidden_chunks) * kActChunkVectors;
+  const int64_t total = vectors_per_row * p.tokens;
+  uint4* out = reinterpret_cast<uint4*>(p.x_staged);
+  for (int64_t idx = static_cast<int64_t>(block) * kThreads + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(blocks) * kThreads) {
+    const int64_t token = idx / vectors_per_row;
+    const int v = static_cast<int>(idx % vectors_per_row);
+    const int chunk = v / kActChunkVectors, w = v % kActChunkVectors;
+    const int lane_t = w >> 1, u = w & 1;
+    const int64_t row_base = token * p.hidden_size;
+    uint32_t words[4];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int k = chunk * kChunkK + (2 * u + half) * 16 + 2 * lane_t;
+      words[2 * half] = HiddenBf16(p, row_base, k) | (HiddenBf16(p, row_base, k + 1) << 16);
+      words[2 * half + 1] =
+          HiddenBf16(p, row_base, k + 8) | (HiddenBf16(p, row_base, k + 9) << 16);
+    }
+    out[idx] = make_uint4(words[0], words[1], words[2], words[3]);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) ExpertPrologueKernel(const ExpertPrologueParams p) {
+  // GEMM1 may start launching now (it hides its launch latency behind this kernel); it reads
+  // nothing of ours before its griddepcontrol.wait, which waits for this grid to complete.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  if (blockIdx.x == 0) {
+    GroupRoutes(p);
+  } else {
+    StageHidden(p, static_cast<int>(blockIdx.x) - 1, static_cast<int>(gridDim.x) - 1);
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchExpertPrologue(const ExpertPrologueParams& p, cudaStream_t stream) {
+  const int slots = p.num_experts + p.num_shared;
+  if (slots <= 0 || slots > kMaxPrologueSlots || p.tile_tokens <= 0) return cudaErrorInvalidValue;
+  const int64_t vectors =
+      static_cast<int64_t>(p.hidden_chunks) * kActChunkVectors * static_cast<int64_t>(p.tokens);
+  const int64_t staging_blocks =
+      vectors == 0 ? 1 : std::min<int64_t>(kMaxStagingBlocks, (vectors + kThreads - 1) / kThreads);
+  const size_t smem = (3 * static_cast<size_t>(slots) + 1) * sizeof(int32_t) + kWarps * sizeof(int2);
+  ExpertPrologueKernel<<<static_cast<unsigned>(1 + staging_blocks), kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace moe::cuda

@@ -1,0 +1,354 @@
+#include "kernels/cuda/expert_runner.h"
+
+#include <algorithm>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/repack.h"
+
+namespace moe::cuda {
+namespace {
+
+static_assert(static_cast<int>(ActKind::kSilu) == static_cast<int>(ActivationKind::kSilu));
+static_assert(static_cast<int>(ActKind::kSwigluOai) ==
+              static_cast<int>(ActivationKind::kSwigluOai));
+static_assert(static_cast<int>(ActKind::kSitu) == static_cast<int>(ActivationKind::kSitu));
+static_assert(static_cast<int>(ActKind::kGelu) == static_cast<int>(ActivationKind::kGelu));
+static_assert(static_cast<int>(ActKind::kGeluTanh) ==
+              static_cast<int>(ActivationKind::kGeluTanh));
+
+int64_t RoundUp(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+ActivationDesc ToDesc(const ActivationParams& p) {
+  ActivationDesc d;
+  d.kind = static_cast<ActKind>(static_cast<int>(p.kind));
+  d.alpha = p.alpha;
+  d.limit = p.limit;
+  d.beta = p.beta;
+  d.linear_beta = p.linear_beta;
+  return d;
+}
+
+// Host-side results of packing one slot, copied to the device by the caller.
+struct SlotEpilogue {
+  float* ep_scale;   // 3 floats
+  float* bias_gate;  // [I]
+  float* bias_up;    // [I]
+  float* bias_w2;    // [H]
+};
+
+void FillEpilogue(const ExpertLayer& layer, const ExpertWeights& w, const PackedScaleInfo& w13,
+                  const PackedScaleInfo& w2, const SlotEpilogue& out) {
+  out.ep_scale[0] = w13.epilogue_factor * w.w13_gate_global_scale;
+  out.ep_scale[1] = w13.epilogue_factor * w.w13_up_global_scale;
+  out.ep_scale[2] = w2.epilogue_factor * w.w2_global_scale;
+  const int64_t inter = layer.intermediate;
+  const float* b13 = w.b13.present() ? w.b13.As<const float>() : nullptr;
+  const float* b2 = w.b2.present() ? w.b2.As<const float>() : nullptr;
+  for (int64_t j = 0; j < inter; ++j) {
+    out.bias_gate[j] = b13 != nullptr ? b13[GateRow(layer.layout, j, inter)] : 0.f;
+    out.bias_up[j] = b13 != nullptr ? b13[UpRow(layer.layout, j, inter)] : 0.f;
+  }
+  for (int64_t h = 0; h < layer.hidden; ++h) out.bias_w2[h] = b2 != nullptr ? b2[h] : 0.f;
+}
+
+// Packs and uploads slots tid, tid + threads, ... of the layer.
+absl::Status UploadSlots(const ExpertLayer& layer, DeviceExpertLayer& d, int device, int tid,
+                         int threads, std::vector<float>& ep_scale, std::vector<float>& bias_gate,
+                         std::vector<float>& bias_up, std::vector<float>& bias_w2) {
+  if (absl::Status s = CudaStatus(cudaSetDevice(device), "cudaSetDevice"); !s.ok()) return s;
+  const PackedShape s13 = W13PackedShape(layer.hidden, layer.intermediate);
+  const PackedShape s2 = W2PackedShape(layer.hidden, layer.intermediate);
+  std::vector<uint32_t> v13(s13.value_words()), c13(s13.scale_words(layer.format));
+  std::vector<uint32_t> v2(s2.value_words()), c2(s2.scale_words(layer.format));
+  const int slots = d.num_experts + d.num_shared;
+  for (int slot = tid; slot < slots; slot += threads) {
+    const ExpertWeights& w = slot < d.num_experts ? layer.experts[slot]
+                                                  : layer.shared_experts[slot - d.num_experts];
+    PackedScaleInfo i13, i2;
+    if (absl::Status s = PackW13(w.w13, layer.layout, absl::MakeSpan(v13), absl::MakeSpan(c13),
+                                 &i13);
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = PackW2(w.w2, absl::MakeSpan(v2), absl::MakeSpan(c2), &i2); !s.ok()) {
+      return s;
+    }
+    const struct {
+      const DeviceBuffer& buf;
+      const std::vector<uint32_t>& host;
+    } copies[] = {{d.w13.values, v13}, {d.w13.scales, c13}, {d.w2.values, v2}, {d.w2.scales, c2}};
+    for (const auto& c : copies) {
+      const size_t bytes = c.host.size() * sizeof(uint32_t);
+      char* dst = c.buf.as<char>() + bytes * slot;
+      if (absl::Status s = CudaStatus(
+              cudaMemcpy(dst, c.host.data(), bytes, cudaMemcpyHostToDevice), "weight upload");
+          !s.ok()) {
+        return s;
+      }
+    }
+    const int64_t inter = layer.intermediate, hidden = layer.hidden;
+    FillEpilogue(layer, w, i13, i2,
+                 SlotEpilogue{&ep_scale[3 * slot], &bias_gate[inter * slot],
+                              &bias_up[inter * slot], &bias_w2[hidden * slot]});
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Upload(DeviceBuffer& buf, const std::vector<float>& host) {
+  const size_t bytes = host.size() * sizeof(float);
+  if (absl::Status s = buf.Reserve(bytes); !s.ok()) return s;
+  return CudaStatus(cudaMemcpy(buf.get(), host.data(), bytes, cudaMemcpyHostToDevice),
+                    "epilogue upload");
+}
+
+void SetGemmShape(const PackedShape& shape, WeightFormat format, DeviceGemmWeights& w) {
+  w.tiles = static_cast<int>(shape.tiles);
+  w.chunks = static_cast<int>(shape.chunks);
+  w.values_stride = shape.value_words() / 4;
+  w.scales_stride =
+      format == WeightFormat::kNvfp4 ? shape.scale_words(format) / 4 : shape.scale_words(format);
+}
+
+}  // namespace
+
+absl::Status CudaStatus(cudaError_t err, absl::string_view what) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  if (ptr_ != nullptr) cudaFree(ptr_);
+}
+
+absl::Status DeviceBuffer::Reserve(size_t bytes) {
+  if (bytes <= bytes_ && ptr_ != nullptr) return absl::OkStatus();
+  if (ptr_ != nullptr) cudaFree(ptr_);
+  ptr_ = nullptr;
+  bytes_ = 0;
+  const size_t want = std::max<size_t>(bytes, 256);
+  if (absl::Status s = CudaStatus(cudaMalloc(&ptr_, want), absl::StrCat("cudaMalloc(", want, ")"));
+      !s.ok()) {
+    ptr_ = nullptr;
+    return s;
+  }
+  bytes_ = want;
+  return absl::OkStatus();
+}
+
+int64_t DeviceExpertLayer::device_bytes() const {
+  const DeviceBuffer* all[] = {&w13.values, &w13.scales, &w2.values, &w2.scales,
+                               &ep_scale,   &bias_gate,  &bias_up,   &bias_w2};
+  int64_t total = 0;
+  for (const DeviceBuffer* b : all) total += static_cast<int64_t>(b->size());
+  return total;
+}
+
+absl::StatusOr<std::unique_ptr<DeviceExpertLayer>> UploadExpertLayer(const ExpertLayer& layer,
+                                                                     int device, int threads) {
+  if (layer.format != WeightFormat::kMxfp4 && layer.format != WeightFormat::kNvfp4) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cuda backend: ", WeightFormatName(layer.format), " weights are not supported (FP4 only)"));
+  }
+  const int slots = static_cast<int>(layer.experts.size() + layer.shared_experts.size());
+  if (slots == 0 || slots > kMaxPrologueSlots) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cuda backend: ", slots, " expert slots per layer; 1..", kMaxPrologueSlots, " supported"));
+  }
+  auto d = std::make_unique<DeviceExpertLayer>();
+  d->format = layer.format == WeightFormat::kMxfp4 ? Fp4Format::kMxfp4 : Fp4Format::kNvfp4;
+  d->hidden = layer.hidden;
+  d->inter = layer.intermediate;
+  d->hidden_chunks = (layer.hidden + 63) / 64;
+  d->inter_padded = RoundUp(layer.intermediate, 64);
+  d->num_experts = static_cast<int>(layer.experts.size());
+  d->num_shared = static_cast<int>(layer.shared_experts.size());
+  d->act = ToDesc(layer.activation);
+  const PackedShape s13 = W13PackedShape(layer.hidden, layer.intermediate);
+  const PackedShape s2 = W2PackedShape(layer.hidden, layer.intermediate);
+  SetGemmShape(s13, layer.format, d->w13);
+  SetGemmShape(s2, layer.format, d->w2);
+  const struct {
+    DeviceBuffer& buf;
+    int64_t words;
+  } sizes[] = {{d->w13.values, s13.value_words()},
+               {d->w13.scales, s13.scale_words(layer.format)},
+               {d->w2.values, s2.value_words()},
+               {d->w2.scales, s2.scale_words(layer.format)}};
+  for (const auto& s : sizes) {
+    if (absl::Status st = s.buf.Reserve(static_cast<size_t>(s.words) * 4 * slots); !st.ok()) {
+      return st;
+    }
+  }
+  std::vector<float> ep_scale(3 * slots), bias_gate(layer.intermediate * slots),
+      bias_up(layer.intermediate * slots), bias_w2(layer.hidden * slots);
+  threads = std::max(1, std::min(threads, slots));
+  std::vector<absl::Status> status(threads);
+  std::vector<std::thread> workers;
+  for (int tid = 0; tid < threads; ++tid) {
+    workers.emplace_back([&, tid] {
+      status[tid] = UploadSlots(layer, *d, device, tid, threads, ep_scale, bias_gate, bias_up,
+                                bias_w2);
+    });
+  }
+  for (std::thread& w : workers) w.join();
+  for (const absl::Status& s : status) {
+    if (!s.ok()) return s;
+  }
+  for (const auto& [buf, host] :
+       {std::pair<DeviceBuffer*, const std::vector<float>*>{&d->ep_scale, &ep_scale},
+        {&d->bias_gate, &bias_gate},
+        {&d->bias_up, &bias_up},
+        {&d->bias_w2, &bias_w2}}) {
+    if (absl::Status s = Upload(*buf, *host); !s.ok()) return s;
+  }
+  return d;
+}
+
+absl::Status ExpertRunner::Reserve(const DeviceExpertLayer& layer, const RoutePlan& plan) {
+  const size_t routes = static_cast<size_t>(std::max<int64_t>(plan.slotted_routes, 1));
+  const struct {
+    DeviceBuffer& buf;
+    size_t bytes;
+  } wants[] = {
+      {x_staged_, static_cast<size_t>(plan.tokens * layer.hidden_chunks * 64 * 2)},
+      {slot_token_, routes * 4},
+      {slot_route_, routes * 4},
+      {items_, static_cast<size_t>(std::max<int64_t>(plan.num_items, 1)) * sizeof(ExpertItem)},
+      {num_items_, 4},
+      {act_, routes * static_cast<size_t>(layer.inter_padded) * 2},
+      {y_, static_cast<size_t>(std::max<int64_t>(plan.y_rows, 1) * layer.hidden) * 4},
+  };
+  for (const auto& w : wants) {
+    if (absl::Status s = w.buf.Reserve(w.bytes); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ExpertRunner::Mark(int stage, cudaStream_t stream) const {
+  if (stage_events_ == nullptr) return absl::OkStatus();
+  return CudaStatus(cudaEventRecord(stage_events_[stage], stream), "stage event");
+}
+
+namespace {
+
+ExpertPrologueParams PrologueParams(const DeviceExpertLayer& layer, const DeviceBatch& batch,
+                                    const RoutePlan& plan) {
+  ExpertPrologueParams p;
+  p.hidden = batch.hidden;
+  p.hidden_bf16 = batch.hidden_bf16;
+  p.ids = batch.ids;
+  p.shared_mask = plan.num_shared > 0 ? batch.shared_mask : nullptr;
+  p.tokens = static_cast<int32_t>(plan.tokens);
+  p.top_k = static_cast<int32_t>(plan.top_k);
+  p.hidden_size = static_cast<int32_t>(layer.hidden);
+  p.hidden_chunks = static_cast<int32_t>(layer.hidden_chunks);
+  p.num_experts = layer.num_experts;
+  p.num_shared = plan.num_shared;
+  p.tile_tokens = 8 * plan.token_groups;
+  return p;
+}
+
+// The parts of the GEMM parameters both GEMMs share.
+ExpertGemmParams GemmParams(const DeviceGemmWeights& w, const DeviceExpertLayer& layer,
+                            const ExpertItem* items, const int32_t* num_items) {
+  ExpertGemmParams p;
+  p.values = w.values.get();
+  p.scales = w.scales.get();
+  p.values_expert_stride = w.values_stride;
+  p.scales_expert_stride = w.scales_stride;
+  p.tiles = w.tiles;
+  p.chunks = w.chunks;
+  p.items = items;
+  p.num_items = num_items;
+  p.ep_scale = layer.ep_scale.as<float>();
+  return p;
+}
+
+}  // namespace
+
+absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceBatch& batch,
+                                   const RoutePlan& plan, cudaStream_t stream) {
+  if (plan.tokens == 0) return absl::OkStatus();
+  if (absl::Status s = Reserve(layer, plan); !s.ok()) return s;
+  if (poison_) {
+    for (DeviceBuffer* b : {&x_staged_, &act_, &y_}) {
+      if (absl::Status s = CudaStatus(cudaMemsetAsync(b->get(), 0xFF, b->size(), stream),
+                                      "poison scratch");
+          !s.ok()) {
+        return s;
+      }
+    }
+  }
+  if (absl::Status s = Mark(0, stream); !s.ok()) return s;
+  ExpertPrologueParams pro = PrologueParams(layer, batch, plan);
+  pro.x_staged = x_staged_.as<uint16_t>();
+  pro.slot_token = slot_token_.as<int32_t>();
+  pro.slot_route = slot_route_.as<int32_t>();
+  pro.items = items_.as<ExpertItem>();
+  pro.num_items = num_items_.as<int32_t>();
+  if (absl::Status s = CudaStatus(LaunchExpertPrologue(pro, stream), "expert prologue");
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = Mark(1, stream); !s.ok()) return s;
+
+  GemmLaunch launch;
+  launch.format = layer.format;
+  launch.token_groups = plan.token_groups;
+  launch.variant = variant_;
+  launch.num_items = static_cast<int>(plan.num_items);
+  // Stage events sit between the kernels, so the kernels cannot overlap while they are timed.
+  launch.programmatic = programmatic_ && stage_events_ == nullptr;
+  ExpertGemmParams g1 = GemmParams(layer.w13, layer, pro.items, pro.num_items);
+  g1.b_rows = x_staged_.as<uint16_t>();
+  g1.b_row_of_slot = slot_token_.as<int32_t>();
+  g1.bias_a = layer.bias_gate.as<float>();
+  g1.bias_b = layer.bias_up.as<float>();
+  g1.out_valid = static_cast<int32_t>(layer.inter);
+  g1.out_cols = static_cast<int32_t>(layer.inter_padded);
+  g1.act = layer.act;
+  g1.act_out = act_.as<uint16_t>();
+  if (absl::Status s = CudaStatus(
+          LaunchExpertGemm(g1, launch, stream), "GEMM1");
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = Mark(2, stream); !s.ok()) return s;
+
+  launch.gemm1 = false;
+  ExpertGemmParams g2 = GemmParams(layer.w2, layer, pro.items, pro.num_items);
+  g2.b_rows = act_.as<uint16_t>();
+  g2.bias_a = layer.bias_w2.as<float>();
+  g2.out_valid = static_cast<int32_t>(layer.hidden);
+  g2.out_cols = static_cast<int32_t>(layer.hidden);
+  g2.y_out = y_.as<float>();
+  g2.slot_route = slot_route_.as<int32_t>();
+  if (absl::Status s = CudaStatus(
+          LaunchExpertGemm(g2, launch, stream), "GEMM2");
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = Mark(3, stream); !s.ok()) return s;
+
+  ExpertCombineParams c;
+  c.y = y_.as<float>();
+  c.ids = batch.ids;
+  c.weights = batch.weights;
+  c.shared_mask = pro.shared_mask;
+  c.tokens = pro.tokens;
+  c.top_k = pro.top_k;
+  c.hidden_size = pro.hidden_size;
+  c.num_shared = plan.num_shared;
+  c.out = batch.out;
+  c.out_bf16 = batch.out_bf16;
+  if (absl::Status s =
+          CudaStatus(LaunchExpertCombine(c, launch.programmatic, stream), "expert combine");
+      !s.ok()) {
+    return s;
+  }
+  return Mark(4, stream);
+}
+
+}  // namespace moe::cuda

@@ -1,0 +1,140 @@
+// Device-resident expert layers and the enqueueing of one batch through the CUDA expert kernels
+// (expert_kernels.h): the launcher layer between the CUDA backend (cuda_backend.cc) and the
+// device code. The kernel benchmark uses it directly to capture Enqueue into CUDA graphs.
+//
+// Thread-safety: a DeviceExpertLayer is immutable after upload and may be shared; an ExpertRunner
+// (its scratch) is used by one thread at a time. Ownership: both own their device memory; neither
+// keeps a pointer into the host ExpertLayer.
+#ifndef MOE_KERNELS_CUDA_EXPERT_RUNNER_H_
+#define MOE_KERNELS_CUDA_EXPERT_RUNNER_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kernels/cuda/expert_kernels.h"
+#include "kernels/cuda/expert_plan.h"
+#include "kernels/experts.h"
+
+namespace moe::cuda {
+
+// INTERNAL naming `what` and the CUDA error, or OK.
+absl::Status CudaStatus(cudaError_t err, absl::string_view what);
+
+// Owning device allocation that only grows.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  ~DeviceBuffer();
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  // Makes the buffer at least `bytes` long; the contents are lost when it grows.
+  [[nodiscard]] absl::Status Reserve(size_t bytes);
+  void* get() const { return ptr_; }
+  size_t size() const { return bytes_; }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// One of the two packed GEMM weight sets (repack.h layout), all slots back to back.
+struct DeviceGemmWeights {
+  DeviceBuffer values;
+  DeviceBuffer scales;
+  int tiles = 0;
+  int chunks = 0;
+  int64_t values_stride = 0;  // uint4 per slot
+  int64_t scales_stride = 0;  // scale units (uint32 MXFP4, uint4 NVFP4) per slot
+};
+
+// A layer on the device: routed experts in slots [0, E), shared experts in [E, E + S).
+struct DeviceExpertLayer {
+  Fp4Format format = Fp4Format::kMxfp4;
+  int64_t hidden = 0;
+  int64_t inter = 0;
+  int64_t hidden_chunks = 0;  // ceil(H / 64)
+  int64_t inter_padded = 0;   // I rounded up to 64
+  int num_experts = 0;
+  int num_shared = 0;
+  ActivationDesc act;
+  DeviceGemmWeights w13;
+  DeviceGemmWeights w2;
+  DeviceBuffer ep_scale;   // f32 [slots][3]: gate, up, w2 epilogue factors
+  DeviceBuffer bias_gate;  // f32 [slots][I] (zeros without b13)
+  DeviceBuffer bias_up;    // f32 [slots][I]
+  DeviceBuffer bias_w2;    // f32 [slots][H] (zeros without b2)
+
+  int64_t device_bytes() const;
+};
+
+// Repacks every expert of `layer` (on `threads` host threads) and uploads it to the current
+// device. REQUIRES: ValidateExpertLayer(layer) is OK. FAILED_PRECONDITION for a format other than
+// MXFP4/NVFP4 or more than kMaxPrologueSlots slots.
+absl::StatusOr<std::unique_ptr<DeviceExpertLayer>> UploadExpertLayer(const ExpertLayer& layer,
+                                                                     int device, int threads);
+
+// Device pointers of one batch; shapes as in ExpertsRequest ([T, H], [T, K], [T]).
+struct DeviceBatch {
+  const void* hidden = nullptr;
+  bool hidden_bf16 = false;
+  const int32_t* ids = nullptr;
+  const float* weights = nullptr;
+  const uint8_t* shared_mask = nullptr;  // may be null
+  void* out = nullptr;
+  bool out_bf16 = false;
+};
+
+class ExpertRunner {
+ public:
+  // Grows the scratch for `plan`; a no-op when it is large enough, so a benchmark can size it
+  // before stream capture (allocation is not allowed while capturing).
+  [[nodiscard]] absl::Status Reserve(const DeviceExpertLayer& layer, const RoutePlan& plan);
+
+  // Enqueues prologue, GEMM1 + activation, GEMM2 and combine on `stream`. `plan` must come from
+  // the same routes as batch.ids (PlanRoutes). Nothing is enqueued for zero tokens.
+  [[nodiscard]] absl::Status Enqueue(const DeviceExpertLayer& layer, const DeviceBatch& batch,
+                                     const RoutePlan& plan, cudaStream_t stream);
+
+  // Test aid: fill the intermediate buffers with NaN before each Enqueue, so that an element a
+  // kernel forgets to write reaches the output instead of a stale value.
+  void set_poison_scratch(bool on) { poison_ = on; }
+
+  // Benchmark aid: when set (5 events), Enqueue records events[0] before the prologue and
+  // events[i] after stage i (prologue, GEMM1, GEMM2, combine). Not for stream capture.
+  void set_stage_events(cudaEvent_t* events) { stage_events_ = events; }
+
+  // Tuning knobs (benchmarks): programmatic dependent launch between the kernels of a batch
+  // (on by default) and the GEMM variant (GemmLaunch::variant, 0 by default).
+  void set_programmatic_launch(bool on) { programmatic_ = on; }
+  void set_gemm_variant(int variant) { variant_ = variant; }
+
+ private:
+  absl::Status Mark(int stage, cudaStream_t stream) const;
+
+  bool poison_ = false;
+  bool programmatic_ = true;
+  int variant_ = 0;
+  cudaEvent_t* stage_events_ = nullptr;
+  DeviceBuffer x_staged_;
+  DeviceBuffer slot_token_;
+  DeviceBuffer slot_route_;
+  DeviceBuffer items_;
+  DeviceBuffer num_items_;
+  DeviceBuffer act_;
+  DeviceBuffer y_;
+};
+
+}  // namespace moe::cuda
+
+#endif  // MOE_KERNELS_CUDA_EXPERT_RUNNER_H_
