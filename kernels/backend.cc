@@ -3,6 +3,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/reference_backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/device.h"
@@ -11,10 +12,11 @@ namespace moe {
 
 absl::StatusOr<std::unique_ptr<ExpertBackend>> CreateBackend(absl::string_view name) {
   std::string why;
-  if (name == "cpu" || name == "cpu-reference") return MakeCpuReferenceBackend();
+  if (name == "cpu-reference") return MakeCpuReferenceBackend();
+  if (name == "cpu") return MakeCpuBackend(CpuBackendOptions{});
   if (name == "auto") {
     if (cuda::DeviceCount(&why) > 0) return CreateBackend("cuda");
-    return MakeCpuReferenceBackend();
+    return MakeCpuBackend(CpuBackendOptions{});
   }
   if (name == "cuda") {
     if (cuda::DeviceCount(&why) == 0) {
