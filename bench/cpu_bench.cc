@@ -30,6 +30,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "bench/cpu_moe_op.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/cpu_features.h"
@@ -44,7 +45,9 @@ ABSL_FLAG(int, runs, 31, "timed runs of each 1-token point");
 ABSL_FLAG(int, runs_large, 7, "timed runs of each many-token point");
 ABSL_FLAG(int, ref_runs, 3, "timed runs of the reference at 1 token (1 at many tokens)");
 ABSL_FLAG(bool, large_reference, true, "also time the reference at 512 tokens (slow)");
-ABSL_FLAG(bool, gpt_oss_120b, true, "time the E=128 gpt-oss-120b expert shape (about 4 GB)");
+ABSL_FLAG(std::string, sections, "problem_d,gpt_oss_20b,gpt_oss_120b",
+          "what to time: problem_d, gpt_oss_20b (expert MLP, E=32), gpt_oss_120b (expert MLP, "
+          "E=128, about 4 GB of weights)");
 ABSL_FLAG(std::string, out_json, "", "results file (default bench/results/cpu_bench_<date>.json)");
 ABSL_FLAG(std::string, commit, "", "commit the binary was built from (default: git rev-parse)");
 
@@ -309,13 +312,19 @@ int Main() {
                            {"threads", threads},
                            {"load_average", ShellLine("cut -d' ' -f1-3 /proc/loadavg")}}},
               {"definitions", std::string(kDefinitions)}};
+  const std::vector<std::string> sections = absl::StrSplit(absl::GetFlag(FLAGS_sections), ',');
+  const auto wanted = [&](absl::string_view s) {
+    return std::find(sections.begin(), sections.end(), s) != sections.end();
+  };
   const double bandwidth = ReadBandwidthGBs(pool);
   result["read_bandwidth_gbs"] = bandwidth;
   std::printf("read bandwidth, %d threads: %.1f GB/s\n", threads, bandwidth);
-  result["problem_d"] = ProblemD(pool, kernels, bandwidth);
+  if (wanted("problem_d")) result["problem_d"] = ProblemD(pool, kernels, bandwidth);
   const CpuBackendOptions options{threads, absl::GetFlag(FLAGS_isa)};
-  result["expert_mlp_gpt_oss_20b"] = ExpertMlp("gpt-oss-20b", 32, {1, 512}, true, options);
-  if (absl::GetFlag(FLAGS_gpt_oss_120b)) {
+  if (wanted("gpt_oss_20b")) {
+    result["expert_mlp_gpt_oss_20b"] = ExpertMlp("gpt-oss-20b", 32, {1, 512}, true, options);
+  }
+  if (wanted("gpt_oss_120b")) {
     result["expert_mlp_gpt_oss_120b"] =
         ExpertMlp("gpt-oss-120b", 128, {1, 8, 64, 512}, false, options);
   }

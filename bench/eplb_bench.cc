@@ -104,18 +104,18 @@ nlohmann::json ToJson(const CaseResult& c, const std::vector<double>& plain) {
           {"layers_not_worse_than_plain", not_worse},
           {"layers_changed", changed},
           {"moved_experts", c.plan.moved_experts},
-          {"planning_ms", {{"median", c.timing.median_ms},
-                           {"min", c.timing.min_ms},
-                           {"max", c.timing.max_ms}}}};
+          {"planning_ms",
+           {{"median", c.timing.median_ms}, {"min", c.timing.min_ms}, {"max", c.timing.max_ms}}}};
 }
 
 void Print(const CaseResult& c, const std::vector<double>& plain) {
   const std::vector<double> after = After(c.plan);
-  std::printf("%-34s balancedness mean %.4f min %.4f (plain DeepSeek %.4f), moved %6lld, "
-              "planning median %.2f ms [%.2f, %.2f]\n",
-              c.name.c_str(), Mean(after), *std::min_element(after.begin(), after.end()),
-              Mean(plain), static_cast<long long>(c.plan.moved_experts), c.timing.median_ms,
-              c.timing.min_ms, c.timing.max_ms);
+  std::printf(
+      "%-34s balancedness mean %.4f min %.4f (plain DeepSeek %.4f), moved %6lld, "
+      "planning median %.2f ms [%.2f, %.2f]\n",
+      c.name.c_str(), Mean(after), *std::min_element(after.begin(), after.end()), Mean(plain),
+      static_cast<long long>(c.plan.moved_experts), c.timing.median_ms, c.timing.min_ms,
+      c.timing.max_ms);
 }
 
 std::string DefaultOutPath() {
@@ -160,7 +160,8 @@ int Main() {
   // Steady state: the next window drifts each count by up to +-3% (fixed pattern).
   std::vector<double> drifted = load;
   for (size_t i = 0; i < drifted.size(); ++i) {
-    drifted[i] = std::round(drifted[i] * (1.0 + 0.03 * (static_cast<double>(i * 7919 % 101) / 50 - 1)));
+    drifted[i] =
+        std::round(drifted[i] * (1.0 + 0.03 * (static_cast<double>(i * 7919 % 101) / 50 - 1)));
   }
   EplbProblem steady = problem;
   steady.load = drifted;
@@ -186,12 +187,18 @@ int Main() {
       {"machine", {{"hardware_threads", std::thread::hardware_concurrency()}}},
       {"commit", absl::GetFlag(FLAGS_commit)},
       {"date_unix", static_cast<int64_t>(std::time(nullptr))},
-      {"trace", {{"layers", layers}, {"experts", experts}, {"shards", shards}, {"slots", slots},
-                 {"zipf", absl::GetFlag(FLAGS_zipf)}, {"routes_per_layer",
-                 absl::GetFlag(FLAGS_routes)}, {"seed", absl::GetFlag(FLAGS_seed)}}},
-      {"plain_deepseek", {{"mean_balancedness", Mean(plain)},
-                          {"min_balancedness", *std::min_element(plain.begin(), plain.end())},
-                          {"drifted_mean_balancedness", Mean(plain_drifted)}}},
+      {"trace",
+       {{"layers", layers},
+        {"experts", experts},
+        {"shards", shards},
+        {"slots", slots},
+        {"zipf", absl::GetFlag(FLAGS_zipf)},
+        {"routes_per_layer", absl::GetFlag(FLAGS_routes)},
+        {"seed", absl::GetFlag(FLAGS_seed)}}},
+      {"plain_deepseek",
+       {{"mean_balancedness", Mean(plain)},
+        {"min_balancedness", *std::min_element(plain.begin(), plain.end())},
+        {"drifted_mean_balancedness", Mean(plain_drifted)}}},
       {"targets", {{"mean_balancedness_min", 0.90}, {"planning_ms_max", 50}}},
       {"cases", results}};
   const std::string path =

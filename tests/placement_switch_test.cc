@@ -85,6 +85,23 @@ class PlacementSwitchTest : public ::testing::Test {
     return map;
   }
 
+  // Runs moectl against the cluster's coordinator; whether it exited 0. Its output goes to `log`.
+  bool RunMoectl(std::vector<std::string> args, std::string* log) {
+    args.push_back(absl::StrCat("--coordinator=", cluster_->coordinator_address()));
+    absl::StatusOr<std::unique_ptr<ChildProcess>> moectl =
+        ChildProcess::Spawn(absl::StrCat("moectl ", args[0]), RunfilePath("client/moectl/moectl"),
+                            args, FreshTestDir("moectl") + "/moectl.log");
+    if (!moectl.ok()) {
+      *log = moectl.status().ToString();
+      return false;
+    }
+    const absl::Time give_up = absl::Now() + kWait;
+    while ((*moectl)->Running() && absl::Now() < give_up) absl::SleepFor(kPoll);
+    const int status = (*moectl)->Stop();
+    *log = (*moectl)->Log();
+    return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  }
+
   // Calls that failed, described (at most 5).
   static std::string Failures(const std::vector<CallRecord>& records, int* count) {
     std::string out;
@@ -155,9 +172,9 @@ TEST_F(PlacementSwitchTest, LiveRebalanceUnderLoad) {
   EXPECT_GT(plan.bytes_to_move(), 0u);
   const uint64_t version = plan.new_map_version();
   // Clients switch; after the drain period the shards stop accepting the old version.
-  const v1::ClusterMap map = WaitForMap(
-      [&](const v1::ClusterMap& m) { return m.min_accepted_version() >= version; },
-      "the old map version to drain");
+  const v1::ClusterMap map =
+      WaitForMap([&](const v1::ClusterMap& m) { return m.min_accepted_version() >= version; },
+                 "the old map version to drain");
   const absl::Time drained_at = absl::Now();
   const int64_t calls_at_drain = traffic->finished();
   const v1::LoadStats switched = Load();
@@ -207,8 +224,8 @@ TEST_F(PlacementSwitchTest, LiveRebalanceUnderLoad) {
   for (int l = 0; l < after.layers_size(); ++l) {
     for (int p = 0; p < after.layers(l).slot_load_size(); ++p) {
       EXPECT_GT(after.layers(l).slot_load(p), switched.layers(l).slot_load(p))
-          << "layer " << l << " slot " << p << " (expert "
-          << map.layers(l).physical_to_logical(p) << ")";
+          << "layer " << l << " slot " << p << " (expert " << map.layers(l).physical_to_logical(p)
+          << ")";
     }
   }
   const double stall = MaxLatencyMs(records, switch_start, drained_at);
@@ -257,8 +274,8 @@ TEST_F(PlacementSwitchTest, KillShardWithReplicasLosesNoCall) {
   std::cout << "kill -9 with replicas: full capacity back after "
             << absl::ToDoubleMilliseconds(recovery) << " ms (map version " << map.version()
             << "); slowest call around the kill "
-            << MaxLatencyMs(records, killed_at, killed_at + recovery) << " ms; "
-            << records.size() << " calls, 0 failed\n";
+            << MaxLatencyMs(records, killed_at, killed_at + recovery) << " ms; " << records.size()
+            << " calls, 0 failed\n";
 }
 
 TEST_F(PlacementSwitchTest, KillShardWithoutReplicasFailsOnlyItsExpertsUntilReloaded) {
@@ -325,19 +342,14 @@ TEST_F(PlacementSwitchTest, MoectlDrainUnderLoad) {
   StartCluster(2, 2, {"--switch_drain_ms=500"});
   std::unique_ptr<Traffic> traffic = StartTraffic(TrafficOptions());
   ASSERT_TRUE(traffic->WaitForCalls(60, kWait));
+  // A dry run reports a plan and changes nothing.
+  std::string log;
+  EXPECT_TRUE(RunMoectl({"rebalance", "--dry_run"}, &log)) << log;
+  EXPECT_NE(log.find("dry run: the map is unchanged"), std::string::npos) << log;
+  EXPECT_EQ(cluster_->client().cluster_map().version(), 1u);
   const std::string shard_id = cluster_->client().cluster_map().shards(1).shard_id();
-  const std::string dir = FreshTestDir("moectl");
-  absl::StatusOr<std::unique_ptr<ChildProcess>> moectl = ChildProcess::Spawn(
-      "moectl drain", RunfilePath("client/moectl/moectl"),
-      {"drain", absl::StrCat("--coordinator=", cluster_->coordinator_address()),
-       absl::StrCat("--shard_id=", shard_id)},
-      dir + "/moectl.log");
-  ASSERT_TRUE(moectl.ok()) << moectl.status();
-  const absl::Time give_up = absl::Now() + kWait;
-  while ((*moectl)->Running() && absl::Now() < give_up) absl::SleepFor(kPoll);
-  const int status = (*moectl)->Stop();
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << (*moectl)->Log();
-  EXPECT_NE((*moectl)->Log().find("committed"), std::string::npos) << (*moectl)->Log();
+  EXPECT_TRUE(RunMoectl({"drain", absl::StrCat("--shard_id=", shard_id)}, &log)) << log;
+  EXPECT_NE(log.find("committed"), std::string::npos) << log;
   WaitForMap([](const v1::ClusterMap& m) { return m.shards(1).state() == v1::SHARD_DRAINED; },
              "rank 1 to be drained");
   const int64_t at_drained = traffic->finished();

@@ -66,8 +66,7 @@ std::vector<std::vector<int64_t>> Traffic::routed() const {
 
 void Traffic::Run(int thread) {
   const int layers = static_cast<int>(popularity_.size());
-  std::vector<std::vector<int64_t>> routed(layers,
-                                           std::vector<int64_t>(popularity_[0].size(), 0));
+  std::vector<std::vector<int64_t>> routed(layers, std::vector<int64_t>(popularity_[0].size(), 0));
   for (uint64_t call = 0; !stop_.load(); ++call) {
     CallRecord record;
     absl::Status s = OneCall(thread, call, record, routed);
@@ -115,10 +114,10 @@ absl::Status Traffic::OneCall(int thread, uint64_t call, CallRecord& record,
   ForwardOptions fo;
   fo.deadline = options_.call_deadline;
   record.start = absl::Now();
-  absl::StatusOr<ForwardResult> result = client_->Forward(
-      record.layer, MakeView(DType::kF32, {t_count, h}, x.data()),
-      MakeView(DType::kI32, {t_count, k}, ids.data()),
-      MakeView(DType::kF32, {t_count, k}, weights.data()), fo);
+  absl::StatusOr<ForwardResult> result =
+      client_->Forward(record.layer, MakeView(DType::kF32, {t_count, h}, x.data()),
+                       MakeView(DType::kI32, {t_count, k}, ids.data()),
+                       MakeView(DType::kF32, {t_count, k}, weights.data()), fo);
   record.end = absl::Now();
   if (!result.ok()) return result.status();
   record.attempts = result->attempts;

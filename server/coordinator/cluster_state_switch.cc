@@ -73,8 +73,8 @@ std::vector<bool> ClusterState::RanksLocked(bool active_only) const {
   for (int r = 0; r < options_.num_shards; ++r) {
     if (!shards_[r].has_value()) continue;
     const ShardRecord& shard = *shards_[r];
-    ranks[r] = active_only ? shard.state == v1::SHARD_ACTIVE && IsAliveLocked(shard, now)
-                           : Serving(shard);
+    ranks[r] =
+        active_only ? shard.state == v1::SHARD_ACTIVE && IsAliveLocked(shard, now) : Serving(shard);
   }
   return ranks;
 }
@@ -178,10 +178,11 @@ void ClusterState::FinishDrainLocked(absl::Time now) {
 void ClusterState::Tick() {
   absl::MutexLock lock(&mu_);
   const absl::Time now = options_.now();
-  for (int r = 0; r < options_.num_shards; ++r) {
+  // Before the first map a silent shard simply has not come back yet; it re-registers.
+  for (int r = 0; version_ > 0 && r < options_.num_shards; ++r) {
     if (shards_[r].has_value() && Serving(*shards_[r]) && !IsAliveLocked(*shards_[r], now)) {
-      RemoveShardLocked(r, absl::StrCat("no heartbeat for ",
-                                        absl::FormatDuration(now - shards_[r]->last_seen)));
+      RemoveShardLocked(
+          r, absl::StrCat("no heartbeat for ", absl::FormatDuration(now - shards_[r]->last_seen)));
     }
   }
   if (pending_.has_value() && now - pending_->started > options_.switch_timeout) {
@@ -248,8 +249,8 @@ absl::StatusOr<v1::RebalancePlan> ClusterState::Rebalance(const v1::RebalanceReq
     absl::MutexLock lock(&mu_);
     if (version_ == 0) return absl::UnavailableError("the cluster map is not published yet");
     if (pending_.has_value()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "a placement switch to map version ", pending_->version, " is in progress"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("a placement switch to map version ", pending_->version, " is in progress"));
     }
     eligible = RanksLocked(true);
     if (std::find(eligible.begin(), eligible.end(), true) == eligible.end()) {
@@ -314,8 +315,8 @@ absl::StatusOr<v1::DrainResponse> ClusterState::Drain(const v1::DrainRequest& re
         request.shard_id(), " is ", v1::ShardState_Name(shards_[rank]->state), ", not active"));
   }
   if (pending_.has_value()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "a placement switch to map version ", pending_->version, " is in progress"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("a placement switch to map version ", pending_->version, " is in progress"));
   }
   std::vector<bool> eligible = RanksLocked(true);
   eligible[rank] = false;

@@ -284,11 +284,12 @@ TEST_F(SwitchTest, DrainMovesSlotsThenStopsTheShard) {
 
 TEST_F(SwitchTest, SwitchNeverReadyIsAbandoned) {
   Start(2, 2);
-  ASSERT_TRUE(state_->Drain([&] {
-                      v1::DrainRequest r;
-                      r.set_shard_id(ids_[1]);
-                      return r;
-                    }())
+  ASSERT_TRUE(state_
+                  ->Drain([&] {
+                    v1::DrainRequest r;
+                    r.set_shard_id(ids_[1]);
+                    return r;
+                  }())
                   .ok());
   for (int i = 0; i < 61; ++i) {
     now_ += absl::Milliseconds(500);

@@ -28,8 +28,8 @@ using Packs = std::vector<std::vector<int32_t>>;
 absl::Status CheckGpuIds(absl::Span<const int32_t> slot_to_gpu, int num_gpus, const char* name) {
   for (size_t p = 0; p < slot_to_gpu.size(); ++p) {
     if (slot_to_gpu[p] < -1 || slot_to_gpu[p] >= num_gpus) {
-      return absl::InvalidArgumentError(absl::StrCat(name, "[", p, "] = ", slot_to_gpu[p],
-                                                     " outside [-1, ", num_gpus, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, "[", p, "] = ", slot_to_gpu[p], " outside [-1, ", num_gpus, ")"));
     }
   }
   return absl::OkStatus();
@@ -42,8 +42,8 @@ absl::Status ValidateProblem(const EplbProblem& p) {
   }
   const size_t num_physical = p.slot_to_gpu.size();
   if (p.load.size() != static_cast<size_t>(p.num_layers) * p.num_logical) {
-    return absl::InvalidArgumentError(absl::StrCat("load has ", p.load.size(), " entries, expected ",
-                                                   p.num_layers, " x ", p.num_logical));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "load has ", p.load.size(), " entries, expected ", p.num_layers, " x ", p.num_logical));
   }
   for (size_t i = 0; i < p.load.size(); ++i) {
     if (!std::isfinite(p.load[i]) || p.load[i] < 0) {
@@ -89,8 +89,8 @@ absl::StatusOr<Layout> MakeLayout(const EplbProblem& p) {
     layout.equal_capacity = layout.equal_capacity && n == layout.capacity[0];
   }
   if (layout.live_slots < p.num_logical) {
-    return absl::InvalidArgumentError(absl::StrCat(layout.live_slots, " live slots for ",
-                                                   p.num_logical, " experts"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(layout.live_slots, " live slots for ", p.num_logical, " experts"));
   }
   return layout;
 }
@@ -150,8 +150,8 @@ Packs HierarchicalPolicy(absl::Span<const double> w, const EplbProblem& p, const
 
 // Experts (with multiplicity) each GPU hosts under the current placement of one layer: [G][E].
 std::vector<std::vector<int32_t>> HostedCounts(absl::Span<const int32_t> current,
-                                               absl::Span<const int32_t> current_gpu,
-                                               int num_gpus, int num_logical) {
+                                               absl::Span<const int32_t> current_gpu, int num_gpus,
+                                               int num_logical) {
   std::vector<std::vector<int32_t>> hosted(num_gpus, std::vector<int32_t>(num_logical, 0));
   for (size_t s = 0; s < current.size(); ++s) {
     if (current[s] >= 0 && current_gpu[s] >= 0) ++hosted[current_gpu[s]][current[s]];
@@ -402,8 +402,7 @@ struct PlanContext {
 
 // The experts each real GPU receives in layer `w`'s new placement: the policy's packs, matched to
 // the GPUs that hold most of them, or the sticky variant when it moves less at no loss of balance.
-Packs PlanGpuPacks(const PlanContext& c, absl::Span<const double> w,
-                   absl::Span<const int32_t> cur,
+Packs PlanGpuPacks(const PlanContext& c, absl::Span<const double> w, absl::Span<const int32_t> cur,
                    const std::vector<std::vector<int32_t>>& hosted) {
   const EplbProblem& p = c.problem;
   const Packs policy =
@@ -429,8 +428,7 @@ void PlanLayer(const PlanContext& c, int l, EplbPlan& plan) {
       p.current.empty() ? absl::Span<const int32_t>()
                         : p.current.subspan(static_cast<size_t>(l) * num_physical, num_physical);
   const absl::Span<int32_t> out = absl::MakeSpan(plan.physical_to_logical)
-                                      .subspan(static_cast<size_t>(l) * num_physical,
-                                               num_physical);
+                                      .subspan(static_cast<size_t>(l) * num_physical, num_physical);
   const std::vector<std::vector<int32_t>> hosted =
       cur.empty()
           ? std::vector<std::vector<int32_t>>(p.num_gpus, std::vector<int32_t>(p.num_logical, 0))
@@ -439,8 +437,8 @@ void PlanLayer(const PlanContext& c, int l, EplbPlan& plan) {
   EplbLayerPlan& lp = plan.layers[l];
   int moved = 0;
   for (int g = 0; g < p.num_gpus; ++g) {
-    moved += FillGpuSlots(gpu_packs[g], c.layout.gpu_slots[g], g, cur, c.current_gpu, hosted[g],
-                          out);
+    moved +=
+        FillGpuSlots(gpu_packs[g], c.layout.gpu_slots[g], g, cur, c.current_gpu, hosted[g], out);
   }
   lp.balancedness_after = PredictedBalancedness(w, out, p.slot_to_gpu, p.num_gpus);
   if (cur.empty()) {
@@ -469,8 +467,8 @@ absl::StatusOr<EplbPlan> PlanEplb(const EplbProblem& p) {
   if (!layout.ok()) return layout.status();
   PlanContext c{p, *layout};
   c.current_gpu = p.current_slot_to_gpu.empty() ? p.slot_to_gpu : p.current_slot_to_gpu;
-  c.layout_changed = !std::equal(c.current_gpu.begin(), c.current_gpu.end(),
-                                 p.slot_to_gpu.begin(), p.slot_to_gpu.end());
+  c.layout_changed = !std::equal(c.current_gpu.begin(), c.current_gpu.end(), p.slot_to_gpu.begin(),
+                                 p.slot_to_gpu.end());
   c.hierarchical = UseHierarchical(p, *layout);
   const int gpus_per_node = c.hierarchical ? p.num_gpus / p.num_nodes : p.num_gpus;
   for (int g = 0; g < p.num_gpus; ++g) {

@@ -220,8 +220,8 @@ TEST(PlanEplbTest, RejectsBadInput) {
     absl::Span<const double> load;
     absl::Span<const int32_t> gpu;
     absl::Span<const int32_t> current;
-  } cases[] = {{negative, gpu, {}},       {load, gpu_out_of_range, {}}, {load, gpu_idle, {}},
-               {load, too_few, {}},       {load, gpu, bad_current},     {{}, gpu, {}}};
+  } cases[] = {{negative, gpu, {}}, {load, gpu_out_of_range, {}}, {load, gpu_idle, {}},
+               {load, too_few, {}}, {load, gpu, bad_current},     {{}, gpu, {}}};
   for (const Case& c : cases) {
     EplbProblem p;
     p.num_layers = 1;

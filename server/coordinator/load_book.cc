@@ -18,8 +18,8 @@ LoadBook::LoadBook(LoadBookOptions options, absl::Time now)
   CHECK_GE(options_.num_shards, 1);
   CHECK_GT(options_.bucket, absl::ZeroDuration());
   CHECK_GT(options_.window, absl::ZeroDuration());
-  bucket_ = std::max(options_.bucket, absl::Ceil(options_.window / kMaxBuckets,
-                                                 absl::Milliseconds(1)));
+  bucket_ =
+      std::max(options_.bucket, absl::Ceil(options_.window / kMaxBuckets, absl::Milliseconds(1)));
   num_buckets_ = static_cast<int>(std::ceil(absl::FDivDuration(options_.window, bucket_)));
   num_buckets_ = std::clamp(num_buckets_, 1, kMaxBuckets);
   const size_t layers = static_cast<size_t>(options_.num_layers);
@@ -81,8 +81,8 @@ void LoadBook::Advance(absl::Time now, uint64_t map_version, const std::vector<b
   // One sample per bucket boundary crossed (a long silence gives one sample, not many).
   if (current == last_sample_index_) return;
   last_sample_index_ = current;
-  const std::vector<double> layers = LayerBalancedness(Window(now, absl::ZeroDuration()).shard,
-                                                       live_ranks);
+  const std::vector<double> layers =
+      LayerBalancedness(Window(now, absl::ZeroDuration()).shard, live_ranks);
   v1::BalancednessSample sample;
   sample.set_unix_millis(absl::ToUnixMillis(now));
   sample.set_map_version(map_version);
@@ -153,8 +153,8 @@ void LoadBook::Summarize(absl::Time now, absl::Duration window, const std::vecto
                                             row(w.shard, s_count).end());
     layer->set_window_balancedness(window_balancedness[l]);
     total += std::accumulate(experts.begin(), experts.end(), int64_t{0});
-    window_total += std::accumulate(row(w.expert, e_count).begin(), row(w.expert, e_count).end(),
-                                    int64_t{0});
+    window_total +=
+        std::accumulate(row(w.expert, e_count).begin(), row(w.expert, e_count).end(), int64_t{0});
   }
   stats->set_total_routes(total);
   stats->set_window_routes(window_total);

@@ -92,10 +92,10 @@ class LoadBook {
   absl::Duration bucket_;
   int num_buckets_ = 1;
   absl::Time epoch_;
-  std::deque<Bucket> buckets_;      // oldest first; the back is open
-  std::vector<int64_t> slot_;       // [L * P] cumulative, per slot index over all versions
-  std::vector<int64_t> expert_;     // [L * E] cumulative
-  std::vector<int64_t> shard_;      // [L * S] cumulative
+  std::deque<Bucket> buckets_;   // oldest first; the back is open
+  std::vector<int64_t> slot_;    // [L * P] cumulative, per slot index over all versions
+  std::vector<int64_t> expert_;  // [L * E] cumulative
+  std::vector<int64_t> shard_;   // [L * S] cumulative
   std::deque<v1::BalancednessSample> history_;
   int64_t last_sample_index_ = 0;  // bucket of the latest history sample
 };

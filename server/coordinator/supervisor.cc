@@ -64,7 +64,8 @@ ProbeResult Classify(const ShardTarget& target, const PendingProbe& probe) {
 
 std::shared_ptr<grpc::Channel> HealthProber::ChannelFor(const std::string& address) {
   std::shared_ptr<grpc::Channel>& channel = channels_[address];
-  if (channel == nullptr) channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  if (channel == nullptr)
+    channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
   return channel;
 }
 
@@ -79,9 +80,8 @@ std::vector<ProbeResult> HealthProber::ProbeAll(const std::vector<ShardTarget>& 
     probe.request = grpc::ByteBuffer(&empty, 1);
     probe.context.set_deadline(deadline);
     stubs.push_back(std::make_unique<grpc::GenericStub>(ChannelFor(targets[i].address)));
-    stubs.back()->UnaryCall(&probe.context, kHealthCheckMethod, grpc::StubOptions(),
-                            &probe.request, &probe.response,
-                            [&probe, &remaining](grpc::Status status) {
+    stubs.back()->UnaryCall(&probe.context, kHealthCheckMethod, grpc::StubOptions(), &probe.request,
+                            &probe.response, [&probe, &remaining](grpc::Status status) {
                               probe.status = std::move(status);
                               remaining.DecrementCount();
                             });
@@ -138,8 +138,8 @@ void Supervisor::Probe() {
       again.push_back(r.target);
     }
   }
-  std::vector<ProbeResult> second = again.empty() ? std::vector<ProbeResult>()
-                                                  : prober_.ProbeAll(again);
+  std::vector<ProbeResult> second =
+      again.empty() ? std::vector<ProbeResult>() : prober_.ProbeAll(again);
   for (const ProbeResult& r : first) {
     if (r.outcome == ProbeOutcome::kTimedOut) {
       if (++timeouts_[r.target.shard_id] >= kTimeoutsToRemove) {

@@ -75,7 +75,7 @@ class Supervisor {
 
   ClusterState* const state_;
   const SupervisorOptions options_;
-  HealthProber prober_;  // used by the loop thread only
+  HealthProber prober_;                             // used by the loop thread only
   absl::flat_hash_map<std::string, int> timeouts_;  // consecutive timed-out rounds, by shard id
   absl::Time next_probe_;
   absl::Time next_rebalance_;

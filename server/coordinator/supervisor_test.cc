@@ -13,17 +13,20 @@
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
 #include "gtest/gtest.h"
+#include "moe/v1/shard.grpc.pb.h"
 
 namespace moe {
 namespace {
 
-// A server with only the standard health service, on a free port.
+// A server with the standard health service (and an unimplemented ExpertShard, since a
+// synchronous server needs one service of its own), on a free port.
 class HealthServer {
  public:
   explicit HealthServer(bool serving) {
     grpc::EnableDefaultHealthCheckService(true);
     grpc::ServerBuilder builder;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterService(&shard_);
     server_ = builder.BuildAndStart();
     server_->GetHealthCheckService()->SetServingStatus(serving);
   }
@@ -35,6 +38,7 @@ class HealthServer {
 
  private:
   int port_ = 0;
+  v1::ExpertShard::Service shard_;
   std::unique_ptr<grpc::Server> server_;
 };
 

@@ -179,6 +179,14 @@ void ExpertShardService::Observe(const v1::ForwardRequest& request,
   observer_->OnForward(request.layer(), tokens, status.code(), absl::Now() - start);
 }
 
+absl::Status ExpertShardService::ServeForward(const v1::ForwardRequest& request,
+                                              v1::ForwardResponse* response) {
+  const absl::Time start = absl::Now();
+  const absl::Status status = DoForward(request, response);
+  Observe(request, *response, status, start);
+  return status;
+}
+
 grpc::Status ExpertShardService::Forward(grpc::ServerContext*, const v1::ForwardRequest* request,
                                          v1::ForwardResponse* response) {
   const absl::Time start = absl::Now();

@@ -67,6 +67,10 @@ class ExpertShardService final : public v1::ExpertShard::Service {
   absl::Status HandOffLoad(absl::FunctionRef<absl::Status(v1::LoadDelta)> send)
       ABSL_LOCKS_EXCLUDED(handoff_mu_);
 
+  // Forward without the gRPC wrapper: validates, runs and reports one request (the raw-buffer
+  // method, raw_forward.h, calls it with the payload moved into the request).
+  absl::Status ServeForward(const v1::ForwardRequest& request, v1::ForwardResponse* response);
+
   grpc::Status Forward(grpc::ServerContext* ctx, const v1::ForwardRequest* request,
                        v1::ForwardResponse* response) override;
   grpc::Status ForwardStream(

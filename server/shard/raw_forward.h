@@ -1,0 +1,38 @@
+// RawForwardService: the raw-buffer Forward of an expert shard (framing: server/common/
+// raw_frame.h). It receives the request as a grpc::ByteBuffer (no protobuf parse of the hidden
+// states), copies the payload once into the request's staging string, runs it through
+// ExpertShardService::ServeForward (the same validation, batching, load counting and metrics as
+// Forward), and answers with a frame whose payload slice wraps the output buffer itself (freed by
+// gRPC when sent), so the output is never copied either.
+//
+// Register it on the same grpc::ServerBuilder as the ExpertShardService (moe_shard does).
+// Thread-safety: handlers run concurrently on gRPC's sync threads. Ownership: borrows `shard`,
+// which must outlive the server.
+#ifndef MOE_SERVER_SHARD_RAW_FORWARD_H_
+#define MOE_SERVER_SHARD_RAW_FORWARD_H_
+
+#include "absl/status/status.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/impl/service_type.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "server/shard/service.h"
+
+namespace moe {
+
+class RawForwardService final : public grpc::Service {
+ public:
+  explicit RawForwardService(ExpertShardService* shard);
+
+  // One ForwardRaw call: `request` and `response` are raw frames.
+  grpc::Status ForwardRaw(grpc::ServerContext* ctx, const grpc::ByteBuffer* request,
+                          grpc::ByteBuffer* response);
+
+ private:
+  absl::Status Serve(const grpc::ByteBuffer& request, grpc::ByteBuffer* response);
+
+  ExpertShardService* const shard_;
+};
+
+}  // namespace moe
+
+#endif  // MOE_SERVER_SHARD_RAW_FORWARD_H_
