@@ -1,7 +1,12 @@
-// Reference problem A of shared/spec/performance.md as host data: the gpt-oss-120b MoE layer
-// (E=128, top-4, H=I=2880, MXFP4 weights with random codes and UE8M0 scales around 2^-7,
-// SWIGLUOAI alpha 1.702 limit 7 with biases, interleaved gate/up) and random BF16 batches with
-// uniform routes. Used by the kernel benchmarks. Not thread-safe to share while mutating.
+// Reference problems of shared/spec/performance.md as host data, with random BF16 batches and
+// uniform routes:
+//   A: gpt-oss-120b MoE layer (E=128, top-4, H=I=2880, MXFP4 weights with random codes and UE8M0
+//      scales around 2^-7, SWIGLUOAI alpha 1.702 limit 7 with biases, interleaved gate/up);
+//   B: DeepSeek-V3-shaped (E=256, top-8, H=7168, I=2048, NVFP4 with E4M3 block scales around 1 and
+//      per-matrix global scales around 2^-8, SILU, concatenated gate/up, no biases);
+//   C: Qwen3-30B-A3B-shaped (E=128, top-8, H=2048, I=768, MXFP4 as in A (performance.md names no
+//      format), SILU, concatenated gate/up, no biases).
+// Used by the kernel benchmarks. Not thread-safe to share while mutating.
 #ifndef MOE_BENCH_BENCH_PROBLEM_H_
 #define MOE_BENCH_BENCH_PROBLEM_H_
 
@@ -21,18 +26,23 @@ inline constexpr int64_t kProblemInter = 2880;
 
 // Owns the weight bytes that `layer` views.
 struct ProblemLayer {
+  char name = 'A';
+  int top_k = kProblemTopK;
   std::vector<std::vector<uint8_t>> bytes;
   std::vector<std::vector<float>> biases;
   ExpertLayer layer;
 };
 
 ProblemLayer MakeProblemA(uint64_t seed);
+// `name` is 'A', 'B' or 'C' (anything else: A).
+ProblemLayer MakeProblem(char name, uint64_t seed);
 
-// Checkpoint bytes of one expert's matrices (packed values + scales): 13.22 MB for problem A.
+// Checkpoint bytes of one expert's matrices (packed values + scales, plus the three 4-byte global
+// scales for NVFP4): 13.22 MB for problem A, 24.77 MB for B, 2.51 MB for C.
 double ExpertBytes(const ProblemLayer& problem);
 
-// One batch: BF16 hidden states N(0, 1), K distinct uniform experts per token, weights summing
-// to 1.
+// One batch: BF16 hidden states N(0, 1), problem.top_k distinct uniform experts per token,
+// weights summing to 1.
 struct HostBatch {
   int64_t tokens = 0;
   int64_t top_k = 0;

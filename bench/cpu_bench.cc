@@ -14,6 +14,8 @@
 // and RunExpertsReference on the gpt-oss-20b shape, and the gpt-oss-120b expert shape (E = 128,
 // problem A of performance.md scaled down to this machine) on the optimized backend; the read
 // bandwidth floor is measured in the same run. JSON goes to bench/results/cpu_bench_<date>.json.
+#include <time.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -59,22 +61,48 @@ using nlohmann::json;
 
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
-json Summary(std::vector<double> ms) {
-  std::sort(ms.begin(), ms.end());
-  const auto at = [&](double q) { return ms[static_cast<size_t>(q * (ms.size() - 1) + 0.5)]; };
-  return json{{"median_ms", at(0.5)}, {"min_ms", ms.front()}, {"max_ms", ms.back()},
-              {"p10_ms", at(0.1)},   {"p90_ms", at(0.9)},   {"runs", ms.size()}};
+// CPU time of the whole process (all threads), in ms: on a shared machine, wall time also counts
+// the time other processes hold the cores.
+double ProcessCpuMs() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+
+struct Samples {
+  std::vector<double> wall_ms;
+  std::vector<double> cpu_ms;
+};
+
+double Quantile(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v[static_cast<size_t>(q * (v.size() - 1) + 0.5)];
+}
+
+json Summary(const Samples& s) {
+  return json{{"median_ms", Quantile(s.wall_ms, 0.5)},
+              {"min_ms", Quantile(s.wall_ms, 0)},
+              {"max_ms", Quantile(s.wall_ms, 1)},
+              {"p10_ms", Quantile(s.wall_ms, 0.1)},
+              {"p90_ms", Quantile(s.wall_ms, 0.9)},
+              {"cpu_median_ms", Quantile(s.cpu_ms, 0.5)},
+              {"runs", s.wall_ms.size()}};
+}
+
+template <typename Fn>
+void Sample(Samples& s, Fn fn) {
+  const double cpu = ProcessCpuMs();
+  const auto start = Clock::now();
+  fn();
+  s.wall_ms.push_back(Ms(Clock::now() - start));
+  s.cpu_ms.push_back(ProcessCpuMs() - cpu);
 }
 
 template <typename Fn>
 json Time(int runs, Fn fn) {
-  std::vector<double> ms;
-  for (int i = 0; i < runs; ++i) {
-    const auto start = Clock::now();
-    fn(i);
-    ms.push_back(Ms(Clock::now() - start));
-  }
-  return Summary(std::move(ms));
+  Samples s;
+  for (int i = 0; i < runs; ++i) Sample(s, [&] { fn(i); });
+  return Summary(s);
 }
 
 std::string ShellLine(const char* command) {
@@ -101,22 +129,40 @@ void Print(const std::string& what, const json& j) {
   std::fflush(stdout);
 }
 
-// Every thread sums its part of a 1 GiB buffer: the DRAM read bandwidth of this many threads.
-double ReadBandwidthGBs(cpu::ThreadPool& pool) {
-  const size_t floats = size_t{1} << 28;
-  std::vector<float> buffer(floats, 1.f);
-  std::vector<double> gbs;
-  for (int rep = 0; rep < 5; ++rep) {
-    std::vector<float> sums(pool.num_threads());
+// The DRAM read floor at this moment: all pool threads sum a slice of a 512 MB buffer, moving
+// through it so that no read finds its data in the 32 MB L3.
+class FloorProbe {
+ public:
+  explicit FloorProbe(cpu::ThreadPool& pool) : pool_(pool), buffer_(kFloats, 1.f) {}
+
+  // Milliseconds to read `bytes` (rounded to whole vectors per thread).
+  double ReadMs(double bytes) {
+    const size_t floats = static_cast<size_t>(bytes / sizeof(float));
+    if (next_ + floats > kFloats) next_ = 0;
+    const float* base = buffer_.data() + next_;
+    next_ += floats;
+    std::vector<float> sums(pool_.num_threads());
     const auto start = Clock::now();
-    pool.ParallelFor(pool.num_threads(), [&](int i, int n) {
-      sums[i] = SumFloats(buffer.data() + floats * i / n, floats / n);
+    pool_.ParallelFor(pool_.num_threads(), [&](int i, int n) {
+      const cpu::Range r = cpu::EvenSplit(static_cast<int64_t>(floats / 32), i, n);
+      sums[i] = SumFloats(base + r.begin * 32, (r.end - r.begin) * 32);
     });
-    gbs.push_back(floats * sizeof(float) / 1e6 / Ms(Clock::now() - start));
+    return Ms(Clock::now() - start);
   }
-  std::sort(gbs.begin(), gbs.end());
-  return gbs[gbs.size() / 2];
-}
+
+  // Median GB/s of five 256 MB reads.
+  double BandwidthGBs() {
+    std::vector<double> gbs;
+    for (int i = 0; i < 5; ++i) gbs.push_back(256e6 / 1e6 / ReadMs(256e6));
+    return Quantile(gbs, 0.5);
+  }
+
+ private:
+  static constexpr size_t kFloats = size_t{128} << 20;
+  cpu::ThreadPool& pool_;
+  std::vector<float> buffer_;
+  size_t next_ = 0;
+};
 
 // ---- Problem D ----------------------------------------------------------------------------------
 
@@ -124,9 +170,7 @@ constexpr int kExpertsD = 32;
 constexpr int kTopK = 4;
 constexpr int64_t kDim = 2880;
 
-double ProblemDBytes(int experts) {
-  return experts * (kDim * kDim / 2.0 + kDim * kDim / 32.0);
-}
+double ProblemDBytes(int experts) { return experts * (kDim * kDim / 2.0 + kDim * kDim / 32.0); }
 
 // Routes of `tokens` tokens: rotating (cold, distinct expert groups per iteration) or random.
 std::vector<int32_t> ProblemDIds(int64_t tokens, int iteration, bool cold, std::mt19937_64& rng) {
@@ -144,7 +188,92 @@ std::vector<int32_t> ProblemDIds(int64_t tokens, int iteration, bool cold, std::
   return ids;
 }
 
-json ProblemD(cpu::ThreadPool& pool, const cpu::CpuKernels& kernels, double bandwidth) {
+// One token, four rotating experts: every round times the op and then a read of as many bytes
+// from DRAM, so each op time has a floor measured next to it.
+json ProblemDOneToken(MoeMatmul& op, const std::vector<WeightMatrix>& matrices, FloorProbe& floor,
+                      std::mt19937_64& rng) {
+  std::vector<float> x(kDim);
+  std::normal_distribution<float> normal;
+  for (float& v : x) v = normal(rng);
+  const double bytes = ProblemDBytes(kTopK), flops = 2.0 * kTopK * kDim * kDim;
+  json out = json::array();
+  for (bool cold : {true, false}) {
+    const int runs = absl::GetFlag(FLAGS_runs);
+    std::vector<std::vector<int32_t>> ids;
+    for (int i = 0; i <= runs; ++i) ids.push_back(ProblemDIds(1, cold ? i : 0, cold, rng));
+    op.Run(x.data(), ids[0].data(), 1, kTopK);
+    Samples s;
+    std::vector<double> floor_ms, efficiency;
+    for (int i = 0; i < runs; ++i) {
+      Sample(s, [&] { op.Run(x.data(), ids[i + 1].data(), 1, kTopK); });
+      floor_ms.push_back(floor.ReadMs(bytes));
+      efficiency.push_back(floor_ms.back() / s.wall_ms.back());
+    }
+    json opt = Summary(s);
+    const double ms = opt["median_ms"];
+    opt["gflops"] = flops / ms / 1e6;
+    opt["gbs"] = bytes / ms / 1e6;
+    opt["floor_ms"] = Quantile(floor_ms, 0.5);
+    opt["floor_over_time"] = Quantile(efficiency, 0.5);
+    json point{{"tokens", 1}, {"weights", cold ? "cold" : "warm"}, {"optimized", opt}};
+    if (cold) {
+      json ref = Time(absl::GetFlag(FLAGS_ref_runs), [&](int i) {
+        ReferenceMoeMatmul(matrices, x.data(), ids[i + 1].data(), 1, kTopK);
+      });
+      point["reference"] = ref;
+      point["speedup_vs_reference"] = ref["median_ms"].get<double>() / ms;
+      point["rel_error_vs_reference"] =
+          op.CheckAgainstReference(matrices, x.data(), ids[1].data(), 1, kTopK);
+    }
+    Print(absl::StrCat("problem D, 1 token, ", cold ? "cold" : "warm"), point);
+    out.push_back(point);
+  }
+  return out;
+}
+
+// 512 tokens, random distinct top-4 (all 32 experts active): int16 and int8 rounds alternate so
+// that a busy stretch of the shared machine hits both alike.
+json ProblemDManyTokens(MoeMatmul& op16, MoeMatmul& op8, const std::vector<WeightMatrix>& matrices,
+                        std::mt19937_64& rng) {
+  constexpr int64_t kTokens = 512;
+  std::vector<float> x(kTokens * kDim);
+  std::normal_distribution<float> normal;
+  for (float& v : x) v = normal(rng);
+  const std::vector<int32_t> ids = ProblemDIds(kTokens, 0, false, rng);
+  const double flops = 2.0 * kTokens * kTopK * kDim * kDim;
+  op16.Run(x.data(), ids.data(), kTokens, kTopK);
+  op8.Run(x.data(), ids.data(), kTokens, kTopK);
+  Samples s16, s8;
+  for (int i = 0; i < absl::GetFlag(FLAGS_runs_large); ++i) {
+    Sample(s16, [&] { op16.Run(x.data(), ids.data(), kTokens, kTopK); });
+    Sample(s8, [&] { op8.Run(x.data(), ids.data(), kTokens, kTopK); });
+  }
+  json ref;
+  if (absl::GetFlag(FLAGS_large_reference)) {
+    ref = Time(1, [&](int) { ReferenceMoeMatmul(matrices, x.data(), ids.data(), kTokens, kTopK); });
+    ref["gflops"] = flops / ref["median_ms"].get<double>() / 1e6;
+  }
+  json out = json::array();
+  for (bool int8 : {false, true}) {
+    MoeMatmul& op = int8 ? op8 : op16;
+    json opt = Summary(int8 ? s8 : s16);
+    opt["gflops"] = flops / opt["median_ms"].get<double>() / 1e6;
+    opt["gflops_per_cpu_second"] = flops / opt["cpu_median_ms"].get<double>() / 1e6;
+    json point{{"tokens", kTokens}, {"kernels", int8 ? "int8" : "int16"}, {"optimized", opt}};
+    if (!ref.is_null()) {
+      point["reference"] = ref;
+      point["speedup_vs_reference"] =
+          ref["median_ms"].get<double>() / opt["median_ms"].get<double>();
+    }
+    point["rel_error_vs_reference"] =
+        op.CheckAgainstReference(matrices, x.data(), ids.data(), kTokens, kTopK);
+    Print(absl::StrCat("problem D, 512 tokens, ", int8 ? "int8" : "int16"), point);
+    out.push_back(point);
+  }
+  return out;
+}
+
+json ProblemD(cpu::ThreadPool& pool, const cpu::CpuKernels& kernels, FloorProbe& floor) {
   cpu::OwnedLayer owner;
   std::vector<WeightMatrix> matrices;
   for (int e = 0; e < kExpertsD; ++e) {
@@ -152,51 +281,9 @@ json ProblemD(cpu::ThreadPool& pool, const cpu::CpuKernels& kernels, double band
   }
   MoeMatmul op16(matrices, pool, kernels, false);
   MoeMatmul op8(matrices, pool, kernels, true);
-  json out = json::array();
   std::mt19937_64 rng(5);
-  for (int64_t tokens : {int64_t{1}, int64_t{512}}) {
-    std::vector<float> x(tokens * kDim);
-    std::normal_distribution<float> normal;
-    for (float& v : x) v = normal(rng);
-    const double flops = 2.0 * tokens * kTopK * kDim * kDim;
-    for (bool cold : {true, false}) {
-     for (bool int8 : {false, true}) {
-      if (tokens == 1 && int8) continue;  // one route per expert: the int16 streaming path
-      MoeMatmul& op = int8 ? op8 : op16;
-      const int runs = tokens == 1 ? absl::GetFlag(FLAGS_runs) : absl::GetFlag(FLAGS_runs_large);
-      std::vector<std::vector<int32_t>> ids;
-      for (int i = 0; i < runs + 1; ++i) ids.push_back(ProblemDIds(tokens, cold ? i : 0, cold, rng));
-      op.Run(x.data(), ids[0].data(), tokens, kTopK);  // warm-up (and workspace growth)
-      json opt = Time(runs, [&](int i) { op.Run(x.data(), ids[i + 1].data(), tokens, kTopK); });
-      const double active = tokens == 1 ? kTopK : kExpertsD;
-      const double ms = opt["median_ms"];
-      opt["gflops"] = flops / ms / 1e6;
-      opt["gbs"] = ProblemDBytes(active) / ms / 1e6;
-      opt["floor_ms"] = ProblemDBytes(active) / bandwidth / 1e6;
-      json point{{"tokens", tokens},
-                 {"weights", cold ? "cold" : "warm"},
-                 {"kernels", int8 ? "int8" : "int16"},
-                 {"optimized", opt}};
-      if (cold) {
-        const int ref_runs = tokens == 1 ? absl::GetFlag(FLAGS_ref_runs) : 1;
-        if (!int8 && (tokens == 1 || absl::GetFlag(FLAGS_large_reference))) {
-          json ref = Time(ref_runs, [&](int i) {
-            ReferenceMoeMatmul(matrices, x.data(), ids[i + 1].data(), tokens, kTopK);
-          });
-          ref["gflops"] = flops / ref["median_ms"].get<double>() / 1e6;
-          point["reference"] = ref;
-          point["speedup_vs_reference"] = ref["median_ms"].get<double>() / ms;
-        }
-        point["max_rel_error_vs_reference"] =
-            op.CheckAgainstReference(matrices, x.data(), ids[1].data(), tokens, kTopK);
-      }
-      Print(absl::StrCat("problem D, ", tokens, " token(s), ", cold ? "cold" : "warm",
-                         int8 ? ", int8" : ", int16"),
-            point);
-      out.push_back(point);
-     }
-    }
-  }
+  json out = ProblemDOneToken(op16, matrices, floor, rng);
+  for (json& point : ProblemDManyTokens(op16, op8, matrices, rng)) out.push_back(point);
   return out;
 }
 
@@ -230,58 +317,72 @@ double RelativeError(const cpu::OwnedRequest& got, const cpu::OwnedRequest& want
   return std::sqrt(d2 / r2);
 }
 
+// The expert MLP through CpuBackend::Run: int16 and int8-w13 backends alternate round by round.
 json ExpertMlp(const char* name, int experts, const std::vector<int64_t>& token_counts,
                bool with_reference, CpuBackendOptions options) {
   auto owned = cpu::MakeRandomLayer(GptOssSpec(experts));
   const ExpertLayer& layer = owned->layer;
+  const std::vector<std::string> modes = {"int16", "int8-w13"};
+  std::vector<std::unique_ptr<ExpertBackend>> backends;
+  for (const std::string& mode : modes) {
+    options.activations = mode;
+    auto backend = MakeCpuBackend(options);
+    if (!backend.ok() || !(*backend)->PrepareLayer(0, layer).ok()) return json{{"error", "setup"}};
+    backends.push_back(*std::move(backend));
+  }
   const double expert_bytes = 3 * ProblemDBytes(1);
   json out = json::array();
-  for (const char* activations : {"int16", "int8-w13"}) {
-  options.activations = activations;
-  auto backend = MakeCpuBackend(options);
-  if (!backend.ok() || !(*backend)->PrepareLayer(0, layer).ok()) return json{{"error", "setup"}};
   for (int64_t tokens : token_counts) {
-    if (tokens == 1 && options.activations != "int16") continue;  // the streaming path either way
     cpu::RandomRequestSpec spec;
     spec.tokens = tokens;
     spec.top_k = kTopK;
     spec.not_local = 0;
     spec.seed = 9 + tokens;
     cpu::OwnedRequest request = cpu::MakeRandomRequest(layer, spec);
+    // One token has one route per expert: the int16 streaming path in either mode.
+    const size_t used_modes = tokens == 1 ? 1 : modes.size();
+    std::vector<Samples> samples(used_modes);
+    for (size_t m = 0; m < used_modes; ++m) (void)backends[m]->Run(0, layer, request.Request());
     const int runs = tokens == 1 ? absl::GetFlag(FLAGS_runs) : absl::GetFlag(FLAGS_runs_large);
-    (void)(*backend)->Run(0, layer, request.Request());
-    json opt = Time(runs, [&](int i) {
+    for (int i = 0; i < runs; ++i) {
       RotateRoutes(request, i + 1, experts);
-      (void)(*backend)->Run(0, layer, request.Request());
-    });
+      for (size_t m = 0; m < used_modes; ++m) {
+        Sample(samples[m], [&] { (void)backends[m]->Run(0, layer, request.Request()); });
+      }
+    }
     std::vector<bool> active(experts, false);
     for (int32_t id : request.ids) active[id] = true;
     const double active_bytes = expert_bytes * std::count(active.begin(), active.end(), true);
-    const double ms = opt["median_ms"];
-    opt["gflops"] = 2.0 * tokens * kTopK * 3 * kDim * kDim / ms / 1e6;
-    opt["gbs_active_experts"] = active_bytes / ms / 1e6;
-    json point{{"shape", name},
-               {"tokens", tokens},
-               {"activations", options.activations},
-               {"optimized", opt}};
+    const double flops = 2.0 * tokens * kTopK * 3 * kDim * kDim;
+    cpu::OwnedRequest want = request;
+    json ref;
     if (with_reference) {
-      cpu::OwnedRequest want = request;
-      const bool time_reference =
-          options.activations == "int16" && (tokens == 1 || absl::GetFlag(FLAGS_large_reference));
-      json ref = Time(time_reference ? (tokens == 1 ? absl::GetFlag(FLAGS_ref_runs) : 1) : 1,
-                      [&](int) { (void)RunExpertsReference(layer, want.Request()); });
-      if (time_reference) {
+      const bool timed = tokens == 1 || absl::GetFlag(FLAGS_large_reference);
+      const int ref_runs = tokens == 1 ? absl::GetFlag(FLAGS_ref_runs) : 1;
+      json r = Time(timed ? ref_runs : 1,
+                    [&](int) { (void)RunExpertsReference(layer, want.Request()); });
+      if (timed) ref = r;
+    }
+    for (size_t m = 0; m < used_modes; ++m) {
+      json opt = Summary(samples[m]);
+      const double ms = opt["median_ms"];
+      opt["gflops"] = flops / ms / 1e6;
+      opt["gflops_per_cpu_second"] = flops / opt["cpu_median_ms"].get<double>() / 1e6;
+      opt["gbs_active_experts"] = active_bytes / ms / 1e6;
+      json point{
+          {"shape", name}, {"tokens", tokens}, {"activations", modes[m]}, {"optimized", opt}};
+      if (!ref.is_null()) {
         point["reference"] = ref;
         point["speedup_vs_reference"] = ref["median_ms"].get<double>() / ms;
       }
-      request.Poison();
-      (void)(*backend)->Run(0, layer, request.Request());
-      point["rel_error_vs_reference"] = RelativeError(request, want);
+      if (with_reference) {
+        request.Poison();
+        (void)backends[m]->Run(0, layer, request.Request());
+        point["rel_error_vs_reference"] = RelativeError(request, want);
+      }
+      Print(absl::StrCat("expert MLP ", name, ", ", tokens, " token(s), ", modes[m]), point);
+      out.push_back(point);
     }
-    Print(absl::StrCat("expert MLP ", name, ", ", tokens, " token(s), ", options.activations),
-          point);
-    out.push_back(point);
-  }
   }
   return out;
 }
@@ -306,20 +407,22 @@ int Main() {
   json result{{"benchmark", "cpu_bench"},
               {"date", date},
               {"commit", commit},
-              {"machine", {{"cpu", CpuModel()},
-                           {"features", cpu::FeatureString(features)},
-                           {"isa", std::string(cpu::CpuIsaName(*isa))},
-                           {"threads", threads},
-                           {"load_average", ShellLine("cut -d' ' -f1-3 /proc/loadavg")}}},
+              {"machine",
+               {{"cpu", CpuModel()},
+                {"features", cpu::FeatureString(features)},
+                {"isa", std::string(cpu::CpuIsaName(*isa))},
+                {"threads", threads},
+                {"load_average", ShellLine("cut -d' ' -f1-3 /proc/loadavg")}}},
               {"definitions", std::string(kDefinitions)}};
   const std::vector<std::string> sections = absl::StrSplit(absl::GetFlag(FLAGS_sections), ',');
   const auto wanted = [&](absl::string_view s) {
     return std::find(sections.begin(), sections.end(), s) != sections.end();
   };
-  const double bandwidth = ReadBandwidthGBs(pool);
-  result["read_bandwidth_gbs"] = bandwidth;
+  FloorProbe floor(pool);
+  const double bandwidth = floor.BandwidthGBs();
+  result["read_bandwidth_gbs_at_start"] = bandwidth;
   std::printf("read bandwidth, %d threads: %.1f GB/s\n", threads, bandwidth);
-  if (wanted("problem_d")) result["problem_d"] = ProblemD(pool, kernels, bandwidth);
+  if (wanted("problem_d")) result["problem_d"] = ProblemD(pool, kernels, floor);
   const CpuBackendOptions options{threads, absl::GetFlag(FLAGS_isa)};
   if (wanted("gpt_oss_20b")) {
     result["expert_mlp_gpt_oss_20b"] = ExpertMlp("gpt-oss-20b", 32, {1, 512}, true, options);
@@ -328,6 +431,8 @@ int Main() {
     result["expert_mlp_gpt_oss_120b"] =
         ExpertMlp("gpt-oss-120b", 128, {1, 8, 64, 512}, false, options);
   }
+  result["read_bandwidth_gbs_at_end"] = floor.BandwidthGBs();
+  result["load_average_at_end"] = ShellLine("cut -d' ' -f1-3 /proc/loadavg");
   std::string path = absl::GetFlag(FLAGS_out_json);
   if (path.empty()) path = absl::StrCat("bench/results/cpu_bench_", date, ".json");
   std::ofstream(path) << result.dump(2) << "\n";

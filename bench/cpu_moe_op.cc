@@ -13,16 +13,22 @@ const char kDefinitions[] =
     "problem_d: one MXFP4 expert matrix product as a MoE op (ggml MUL_MAT_ID: E=32, top-4, "
     "2880x2880 weight per expert, fp32 activations, output [tokens,4,2880], no activation or "
     "combine), the op ggml's test-backend-ops times (1.47 ms at 1 token, 412 ms at 512 tokens on "
-    "this machine). Timed: route grouping + activation quantization + all products, median of "
-    "runs. kernels=int16: int16 activations everywhere; kernels=int8: int8 activations (W4A8) for "
-    "experts with more than 4 routes (1-token points are the same either way). gflops = 2*tokens*4*2880*2880 / time. gbs = active experts' packed bytes (4.41 MB per "
-    "expert: 2880*2880/2 values + 2880*90 UE8M0 scales) / time. floor_ms = those bytes / the read "
-    "bandwidth measured in this run. weights=cold: 1-token iterations rotate through disjoint "
-    "expert groups (weights come from DRAM); weights=warm: the same routes every iteration (an op "
-    "benchmark's setting: at 1 token the 17.6 MB stay in the 32 MB L3). expert_mlp: the full "
-    "expert MLP (w13 GEMM, SWIGLUOAI with biases, w2 GEMM, top-4 weighted combine) through "
-    "CpuBackend::Run vs RunExpertsReference, gflops counting 3 matrix products per route, "
-    "activations=int16 (default) or int8-w13 (W4A8 into w13 on the panel path), "
+    "this machine per shared/spec/performance.md). Timed (wall clock, median of runs, p10/p90 "
+    "for the spread): route grouping + activation quantization + all products. "
+    "gflops = 2*tokens*4*2880*2880 / median time. 1 token: gbs = the 4 active experts' packed "
+    "bytes (4.41 MB each: 2880*2880/2 values + 2880*90 UE8M0 scales) / time; weights=cold rotates "
+    "through disjoint expert groups (weights come from DRAM), weights=warm repeats one route set "
+    "(an op benchmark's setting: the 17.6 MB stay in the 32 MB L3); every cold round also reads "
+    "17.6 MB of a 512 MB buffer with all threads, floor_ms is the median of those reads and "
+    "floor_over_time the median per-round ratio floor/op (1.0 = at the DRAM read floor of that "
+    "moment). 512 tokens: random distinct top-4 per token (all 32 experts active), int16 and int8 "
+    "kernels alternating round by round; kernels=int8 gives experts with more than 4 routes int8 "
+    "activations (W4A8). cpu_median_ms: process CPU time per run (all threads, spin-waits "
+    "included); gflops_per_cpu_second = flops / that, the rate the cores delivered while this "
+    "process held them (the machine is shared: wall time also counts other processes). "
+    "expert_mlp: the full expert MLP (w13 GEMM, SWIGLUOAI with biases, interleaved gate/up, w2 "
+    "GEMM, top-4 weighted combine) through CpuBackend::Run vs RunExpertsReference, "
+    "activations=int16 (default) or int8-w13, gflops counting 3 matrix products per route, "
     "gbs_active_experts = active experts' w13+w2 packed bytes (13.22 MB each) / time; 1-token "
     "points rotate the experts (cold).";
 
@@ -85,9 +91,10 @@ void MoeMatmul::Run(const float* x, const int32_t* ids, int64_t tokens, int64_t 
   float* scales8 = int8_ ? Grow(x_scales8_, tokens * (cols_ / block_)) : nullptr;
   int32_t* bias8 = int8_ ? Grow(x_bias8_, tokens * (cols_ / block_)) : nullptr;
   const int threads = pool_.num_threads();
-  cpu::PlanGemm(route_begin_, rows_ / cpu::kGroupRows, threads, &plan_);
+  cpu::PlanGemm(route_begin_, rows_ / cpu::kGroupRows, threads * cpu::kItemsPerThread, &plan_);
   int64_t most = 0;
-  for (int64_t e = 0; e < experts; ++e) most = std::max(most, route_begin_[e + 1] - route_begin_[e]);
+  for (int64_t e = 0; e < experts; ++e)
+    most = std::max(most, route_begin_[e + 1] - route_begin_[e]);
   const int64_t panel_cols = cpu::PanelCols(cols_, block_);
   panels_.resize(threads);
   panel_scales_.resize(threads);
@@ -112,7 +119,8 @@ void MoeMatmul::Run(const float* x, const int32_t* ids, int64_t tokens, int64_t 
   p.out = Grow(out_, tokens * top_k * rows_);
   p.out_stride = rows_;
   p.items = plan_.items.data();
-  p.thread_items = plan_.thread_items.data();
+  p.num_items = static_cast<int32_t>(plan_.items.size());
+  p.next_item = &plan_.next;
   p.scratch = scratch_.data();
   p.panel_cols = panel_cols;
   pool_.ParallelFor(threads, [&](int i, int n) {

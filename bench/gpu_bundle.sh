@@ -8,7 +8,9 @@
 #                                   # SANITIZE=<gtest filter> adds a compute-sanitizer memcheck;
 #                                   # NCU="64 4096" profiles the first two GEMMs at those sizes
 #
-# .bundle/ is git-ignored; hand it to the device tool as a carried path. Each step is bounded by
+# .bundle/ is git-ignored; hand it to the device tool as a carried path. The stripped binaries are
+# ~60 MB (each holds the fatbin), close to the tool's 64 MiB transfer limit, so `make` leaves them
+# as one gzip archive (.bundle/b.tgz, ~15 MB) and `run` unpacks it. Each step is bounded by
 # `timeout` so one hang cannot eat the whole call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,34 +20,43 @@ shift || true
 make_bundle() {
   set -e
   bazel build //kernels/cuda:device_test //kernels/cuda:experts_cuda_test \
-    //bench:kernel_bench
+    //kernels/cuda:staging_cuda_test //bench:kernel_bench //bench:staging_bench
   rm -rf .bundle && mkdir -p .bundle/lib
-  cp bazel-bin/kernels/cuda/{device_test,experts_cuda_test} .bundle/
-  cp bazel-bin/bench/kernel_bench .bundle/
+  cp bazel-bin/kernels/cuda/{device_test,experts_cuda_test,staging_cuda_test} .bundle/
+  cp bazel-bin/bench/{kernel_bench,staging_bench} .bundle/
   # Shared libraries outside glibc/libstdc++ (the GPU machine has newer ones of those).
-  ldd .bundle/{device_test,experts_cuda_test,kernel_bench} | awk '/=>/ {print $3}' |
+  ldd .bundle/{device_test,experts_cuda_test,staging_cuda_test,kernel_bench,staging_bench} | awk '/=>/ {print $3}' |
     sort -u | grep -Ev '/(libc|libm|libpthread|libdl|librt|libstdc\+\+|libgcc_s)\.so' |
     xargs -r cp -L -t .bundle/lib/
   git rev-parse --short HEAD > .bundle/commit
   if ! git diff --quiet HEAD -- kernels bench; then echo "+uncommitted" >> .bundle/commit; fi
+  chmod u+w .bundle/*
+  strip .bundle/{device_test,experts_cuda_test,staging_cuda_test,kernel_bench,staging_bench}
+  tar czf /tmp/moe_gpu_bundle.tgz -C .bundle .
+  rm -rf .bundle && mkdir .bundle && mv /tmp/moe_gpu_bundle.tgz .bundle/b.tgz
   du -sh .bundle
 }
 
 run_bundle() {
   local out="${OUT:-/tmp/out}"
   mkdir -p "$out"
+  if [[ -f .bundle/b.tgz && ! -x .bundle/kernel_bench ]]; then tar xzf .bundle/b.tgz -C .bundle; fi
   export LD_LIBRARY_PATH="$PWD/.bundle/lib:${LD_LIBRARY_PATH:-}"
   local commit
   commit="$(tr '\n' ' ' < .bundle/commit)"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu \
     --format=csv | tee "$out/gpu.txt"
   timeout 60 .bundle/device_test 2>&1 | tail -3
+  timeout 60 .bundle/staging_cuda_test > "$out/staging_cuda_test.log" 2>&1
+  grep -E "FAILED|PASSED|Failure" "$out/staging_cuda_test.log"
   timeout 240 .bundle/experts_cuda_test > "$out/experts_cuda_test.log" 2>&1
   grep -E "FAILED|PASSED|Failure|error" "$out/experts_cuda_test.log"
   awk '/cuda-vs-ref/ {n++; split($5, a, "="); if (a[2] + 0 > m) m = a[2] + 0}
        END {print n " comparisons, max rel_err " m}' "$out/experts_cuda_test.log"
   timeout 240 .bundle/kernel_bench --commit="$commit" --out_json="$out/kernel_bench.json" "$@" \
     2>&1 | tee "$out/kernel_bench.log"
+  timeout 60 .bundle/staging_bench --commit="$commit" --out_json="$out/staging_bench.json" \
+    2>&1 | tee "$out/staging_bench.log"
   if [[ -n "${SANITIZE:-}" ]] && command -v compute-sanitizer > /dev/null; then
     timeout 100 compute-sanitizer --tool memcheck .bundle/experts_cuda_test \
       --gtest_filter="$SANITIZE" > "$out/memcheck.log" 2>&1

@@ -1,6 +1,7 @@
 // Kernel benchmark of the CUDA expert path on reference problem A (gpt-oss-120b MoE layer:
 // E=128, top-4, H=I=2880, MXFP4, BF16 activations, SWIGLUOAI with biases, interleaved gate/up,
-// uniform routes). Per token count it times CUDA-graph replays of the device pipeline (prologue:
+// uniform routes), or with --problem=B / C on the DeepSeek-V3- and Qwen3-30B-A3B-shaped layers
+// (bench_problem.h). Per token count it times CUDA-graph replays of the device pipeline (prologue:
 // grouping + staging, GEMM1 + activation, GEMM2, combine; inputs already on the device), rotating
 // over several routing sets so consecutive passes read different experts and L2 (60 MB) cannot
 // hold the weights (1.7 GB in all), and reports the median against the memory floor (active
@@ -33,6 +34,7 @@
 #include "kernels/experts.h"
 #include "nlohmann/json.hpp"
 
+ABSL_FLAG(std::string, problem, "A", "reference problem: A, B or C (performance.md)");
 ABSL_FLAG(std::string, tokens, "1,8,64,512,4096,8192", "token counts to time");
 ABSL_FLAG(int, reps, 0, "timed graph replays per point (0: by size)");
 ABSL_FLAG(std::string, out_json, "", "where to write the JSON results");
@@ -247,17 +249,24 @@ double CheckAgainstReference(const ProblemLayer& problem, const cuda::DeviceExpe
 }
 
 struct Target {
+  char problem;
   int64_t tokens;
   double target_us;
 };
-constexpr Target kTargets[] = {{1, 25},    {8, 110},   {64, 400},
-                               {512, 600}, {4096, 1600}, {8192, 3000}};
+constexpr Target kTargets[] = {{'A', 1, 25},     {'A', 8, 110},     {'A', 64, 400},
+                               {'A', 512, 600},  {'A', 4096, 1600}, {'A', 8192, 3000},
+                               {'B', 64, 1500},  {'B', 4096, 5500}, {'C', 64, 120}};
 
-double TargetFor(int64_t tokens) {
+double TargetFor(char problem, int64_t tokens) {
   for (const Target& t : kTargets) {
-    if (t.tokens == tokens) return t.target_us;
+    if (t.problem == problem && t.tokens == tokens) return t.target_us;
   }
   return 0;
+}
+
+const char* ActivationName(const ProblemLayer& p) {
+  return p.name == 'A' ? "swigluoai alpha=1.702 limit=7, biases, interleaved"
+                       : "silu, no biases, concatenated gate/up";
 }
 
 int Main() {
@@ -271,14 +280,21 @@ int Main() {
               prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6, copy_bw / 1e12);
 
   const auto t0 = std::chrono::steady_clock::now();
-  ProblemLayer problem = MakeProblemA(/*seed=*/20251129);
+  const std::string problem_flag = absl::GetFlag(FLAGS_problem);
+  ProblemLayer problem = MakeProblem(problem_flag.empty() ? 'A' : problem_flag[0],
+                                     /*seed=*/20251129);
+  const int num_experts = static_cast<int>(problem.layer.experts.size());
+  const int64_t hidden = problem.layer.hidden, inter = problem.layer.intermediate;
   absl::StatusOr<std::unique_ptr<cuda::DeviceExpertLayer>> uploaded =
       cuda::UploadExpertLayer(problem.layer, 0, 16);
   BENCH_CHECK_OK(uploaded.status());
   const cuda::DeviceExpertLayer& layer = **uploaded;
   const double bytes_per_expert = ExpertBytes(problem);
-  std::printf("problem A: %d experts, %.2f MB per expert, %.2f GB on the device (%.1f s setup)\n",
-              kProblemExperts, bytes_per_expert / 1e6, layer.device_bytes() / 1e9,
+  std::printf("problem %c: %d experts, top-%d, H=%lld, I=%lld, %s, %.2f MB per expert, %.2f GB on "
+              "the device (%.1f s setup)\n",
+              problem.name, num_experts, problem.top_k, static_cast<long long>(hidden),
+              static_cast<long long>(inter), std::string(WeightFormatName(problem.layer.format)).c_str(),
+              bytes_per_expert / 1e6, layer.device_bytes() / 1e9,
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 
   nlohmann::json points = nlohmann::json::array();
@@ -290,7 +306,7 @@ int Main() {
     std::vector<std::unique_ptr<DeviceInputs>> sets;
     double active = 0;
     for (int r = 0; r < rotations; ++r) {
-      sets.push_back(Upload(RandomBatch(problem, tokens, rng), kProblemExperts, stream));
+      sets.push_back(Upload(RandomBatch(problem, tokens, rng), num_experts, stream));
       BENCH_CHECK_OK(runner.Reserve(layer, sets.back()->plan));
       active += sets.back()->plan.active_slots;
     }
@@ -343,10 +359,10 @@ int Main() {
     }
     const double memory_floor = active * bytes_per_expert / 4.23e12 * 1e6;
     const double measured_floor = active * bytes_per_expert / copy_bw * 1e6;
-    const double flops = 2.0 * tokens * 4 * 3.0 * 2880 * 2880;
+    const double flops = 2.0 * tokens * problem.top_k * 3.0 * hidden * inter;
     const double compute_floor = flops / 790e12 * 1e6;
     const double floor = std::max(memory_floor, compute_floor);
-    const double target = TargetFor(tokens);
+    const double target = TargetFor(problem.name, tokens);
     std::printf(
         "T=%5lld active=%6.1f groups=%d items=%5lld | median %8.1f us (p10 %8.1f p90 %8.1f) | "
         "floor %7.1f us (%s) ratio %.2f | target %6.0f us %s | with copies %8.1f us | stages "
@@ -384,7 +400,7 @@ int Main() {
   }
 
   nlohmann::json out = {
-      {"benchmark", "kernel_bench: CUDA expert path, problem A"},
+      {"benchmark", absl::StrCat("kernel_bench: CUDA expert path, problem ", std::string(1, problem.name))},
       {"machine",
        {{"device", prop.name},
         {"sms", prop.multiProcessorCount},
@@ -394,12 +410,13 @@ int Main() {
       {"date_unix", static_cast<int64_t>(std::time(nullptr))},
       {"copy_bandwidth_TBps", copy_bw / 1e12},
       {"problem",
-       {{"experts", kProblemExperts},
-        {"top_k", 4},
-        {"hidden", 2880},
-        {"intermediate", 2880},
-        {"format", "mxfp4"},
-        {"activation", "swigluoai alpha=1.702 limit=7, biases, interleaved"},
+       {{"name", std::string(1, problem.name)},
+        {"experts", num_experts},
+        {"top_k", problem.top_k},
+        {"hidden", hidden},
+        {"intermediate", inter},
+        {"format", std::string(WeightFormatName(problem.layer.format))},
+        {"activation", ActivationName(problem)},
         {"inputs", "bf16 hidden, uniform routes, bf16 output"},
         {"bytes_per_expert", bytes_per_expert}}},
       {"timing",

@@ -46,15 +46,21 @@ bool AllReady(const v1::ClusterMap& map) {
 }  // namespace
 
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
+  return MakeChannel(address, DefaultChannelSecurity());
+}
+
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
+                                           const ChannelSecurity& security) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxMessageBytes);
   args.SetMaxSendMessageSize(kMaxMessageBytes);
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  return CreateSecureChannel(address, security, args);
 }
 
 MoeClient::MoeClient(ClientOptions options)
     : options_(std::move(options)),
-      coordinator_(v1::Coordinator::NewStub(MakeChannel(options_.coordinator))) {}
+      coordinator_(v1::Coordinator::NewStub(MakeChannel(
+          options_.coordinator, options_.security.value_or(DefaultChannelSecurity())))) {}
 
 MoeClient::~MoeClient() {
   stopping_.store(true);
@@ -160,7 +166,10 @@ v1::ClusterMap MoeClient::cluster_map() const {
 v1::ExpertShard::Stub* MoeClient::ShardStub(const std::string& address) {
   absl::MutexLock lock(&mu_);
   auto& stub = stubs_[address];
-  if (!stub) stub = v1::ExpertShard::NewStub(MakeChannel(address));
+  if (!stub) {
+    stub = v1::ExpertShard::NewStub(
+        MakeChannel(address, options_.security.value_or(DefaultChannelSecurity())));
+  }
   return stub.get();
 }
 

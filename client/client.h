@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -26,6 +27,7 @@
 #include "kernels/tensor.h"
 #include "moe/v1/coordinator.grpc.pb.h"
 #include "moe/v1/shard.grpc.pb.h"
+#include "server/common/tls.h"
 
 namespace moe {
 
@@ -34,6 +36,9 @@ struct ClientOptions {
   absl::Duration default_deadline = absl::Seconds(30);
   // Keep the map current through WatchClusterMap (otherwise refresh only on stale-version errors).
   bool watch_map = true;
+  // TLS credentials and bearer token of every call (coordinator and shards); unset: the process
+  // default (tls.h DefaultChannelSecurity, plaintext without a token unless main set one).
+  std::optional<ChannelSecurity> security;
 };
 
 struct ForwardOptions {
@@ -113,7 +118,10 @@ class MoeClient {
 inline constexpr char kNoLiveReplica[] = "no live replica";
 
 // Channel arguments shared by every moe-serve client: message limits raised to 256 MiB.
+// Uses the process default security (tls.h); the overload takes it explicitly.
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
+                                           const ChannelSecurity& security);
 
 }  // namespace moe
 

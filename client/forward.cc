@@ -99,9 +99,8 @@ absl::StatusOr<ForwardResult> MoeClient::ForwardOnce(
       state.shared_fallback_rank);
   if (!plan.ok()) return plan.status();
   const std::vector<int32_t> lost = ExpertsOnLostRanks(
-      state.layers[layer],
-      absl::MakeConstSpan(map.slot_to_rank().data(), map.slot_to_rank_size()), state.serving,
-      *plan, topk_ids);
+      state.layers[layer], absl::MakeConstSpan(map.slot_to_rank().data(), map.slot_to_rank_size()),
+      state.serving, *plan, topk_ids);
   if (!lost.empty()) {
     return absl::UnavailableError(absl::StrCat(
         "layer ", layer, ": experts ", absl::StrJoin(lost, ","), " have ", kNoLiveReplica,

@@ -25,6 +25,11 @@
 namespace moe::testing {
 namespace {
 
+// The shards run the default (optimized) CPU backend, whose contract against the reference is
+// 1e-2 (performance.md); it lands near 1e-4. A routing, replica or combine error is O(1), so 1e-3
+// still catches every mistake these tests are about.
+constexpr double kBackendTolerance = 1e-3;
+
 constexpr absl::Duration kCallDeadline = absl::Seconds(30);
 // The generated model: 2 layers, E = 8, top-2, H = 128, I = 64 (generator defaults).
 constexpr int64_t kT = 4, kK = 2, kH = 128, kE = 8;
@@ -95,7 +100,8 @@ void ExpectGoodResponse(const v1::ForwardResponse& resp, uint64_t request_id) {
   ASSERT_EQ(out.data().size(), kT * kH * sizeof(float));
   std::vector<float> got(kT * kH);
   std::memcpy(got.data(), out.data().data(), out.data().size());
-  EXPECT_LE(RelativeError(got.data(), g_fixture->expected.data<float>(), kT * kH), 1e-5);
+  EXPECT_LE(RelativeError(got.data(), g_fixture->expected.data<float>(), kT * kH),
+            kBackendTolerance);
   for (int64_t j = 0; j < kH; ++j) ASSERT_EQ(got[2 * kH + j], 0.f) << "token 2 has no route";
 }
 

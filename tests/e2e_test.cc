@@ -29,6 +29,11 @@
 namespace moe::testing {
 namespace {
 
+// The shards run the default (optimized) CPU backend, whose contract against the reference is
+// 1e-2 (performance.md); it lands near 1e-4. A routing, replica or combine error is O(1), so 1e-3
+// still catches every mistake these tests are about.
+constexpr double kBackendTolerance = 1e-3;
+
 constexpr absl::Duration kCallDeadline = absl::Seconds(30);
 
 struct WorkloadCase {
@@ -209,7 +214,8 @@ class LoadAccountingTest : public ::testing::Test {
     ASSERT_TRUE(r.ok()) << r.status();
     absl::StatusOr<HostTensor> want = ref_->Run(layer, x, UnpaddedIds(b), w, b.k, false);
     ASSERT_TRUE(want.ok()) << want.status();
-    EXPECT_LE(RelativeError(r->output.data<float>(), want->data<float>(), t_count * h), 1e-5);
+    EXPECT_LE(RelativeError(r->output.data<float>(), want->data<float>(), t_count * h),
+              kBackendTolerance);
   }
 
   // Sends `b` with explicit token indices straight to shard `rank`; returns its F32 output.
@@ -316,7 +322,8 @@ TEST_F(LoadAccountingTest, TwoRedundantSlotsHandCounted) {
   absl::StatusOr<HostTensor> want =
       ref_->Run(0, x, UnpaddedIds(direct), RouteWeights(direct), 2, false);
   ASSERT_TRUE(want.ok()) << want.status();
-  EXPECT_LE(RelativeError(combined.data(), want->data<float>(), combined.size()), 1e-5);
+  EXPECT_LE(RelativeError(combined.data(), want->data<float>(), combined.size()),
+            kBackendTolerance);
   const int64_t h = ref_->config().hidden;
   for (int64_t j = 0; j < h; ++j) {
     EXPECT_EQ(out1[1 * h + j], 0.f) << "t=6 has no route on rank 1";

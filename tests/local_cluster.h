@@ -126,7 +126,7 @@ class LocalCluster {
   std::vector<std::unique_ptr<ChildProcess>> shards_;
   std::string coordinator_address_;
   std::unique_ptr<MoeClient> client_;
-  bool started_ = false;  // every process came up: their exits are checked
+  bool started_ = false;      // every process came up: their exits are checked
   std::vector<bool> killed_;  // by rank: killed on purpose
 };
 

@@ -18,6 +18,7 @@
 #include "client/moectl/workload.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/activation.h"
+#include "server/common/security_flags.h"
 #include "server/common/status.h"
 #include "server/model/generator.h"
 
@@ -237,6 +238,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string cmd = args[1];
+  // --tls_ca/--tls_cert/--tls_key and --auth_token_file apply to every call moectl makes.
+  if (absl::Status s = moe::InstallClientSecurityFromFlags(); !s.ok()) {
+    std::cerr << "moectl: " << s << "\n";
+    return 2;
+  }
   if (cmd == "gen-model") return moe::GenModel();
   if (cmd == "map") return moe::Map();
   if (cmd == "load") return moe::Load();

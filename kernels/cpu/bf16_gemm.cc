@@ -34,7 +34,8 @@ void DotRow(const Bf16MatrixRef& m, int64_t row, const float* const* x, float* o
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= m.cols; k += 8) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k)));
+    const __m256i wide =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k)));
     const __m256 wv = _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
     for (int t = 0; t < T; ++t) acc[t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[t] + k), acc[t]);
   }
@@ -89,8 +90,10 @@ void RunTile(const Bf16GemmParams& p, const GemmWorkItem& item, int64_t r) {
 
 }  // namespace
 
-void RunBf16Gemm(const Bf16GemmParams& p, int thread_index) {
-  for (int32_t i = p.thread_items[thread_index]; i < p.thread_items[thread_index + 1]; ++i) {
+void RunBf16Gemm(const Bf16GemmParams& p) {
+  for (;;) {
+    const int32_t i = __atomic_fetch_add(p.next_item, 1, __ATOMIC_RELAXED);
+    if (i >= p.num_items) return;
     const GemmWorkItem& item = p.items[i];
     const int64_t end = p.route_begin[item.expert + 1];
     for (int64_t r = p.route_begin[item.expert]; r < end; r += kTileRoutes) {

@@ -33,17 +33,19 @@ struct Bf16GemmParams {
   const int32_t* input_row = nullptr;  // null: route r reads row r
   const float* input = nullptr;        // [*][input_stride]
   int64_t input_stride = 0;
-  float* out = nullptr;                // [routes][out_stride]
+  float* out = nullptr;  // [routes][out_stride]
   int64_t out_stride = 0;
   Fp4Epilogue epilogue = Fp4Epilogue::kStore;
   GateUpLayout layout = GateUpLayout::kConcatenated;  // kGated: rows of gate/up j
   GatedFn gated_fn = nullptr;
   const void* gated_ctx = nullptr;
   const GemmWorkItem* items = nullptr;
-  const int32_t* thread_items = nullptr;
+  int32_t num_items = 0;
+  int32_t* next_item = nullptr;  // shared claim cursor, 0 before the phase
 };
 
-void RunBf16Gemm(const Bf16GemmParams& params, int thread_index);
+// Claims and runs items until none is left; call from every thread of the phase.
+void RunBf16Gemm(const Bf16GemmParams& params);
 
 }  // namespace moe::cpu
 

@@ -17,8 +17,8 @@ __m128i ToBf16x8(__m256 v) {
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
   const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
   const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  const __m256i value = _mm256_blendv_epi8(_mm256_srli_epi32(rounded, 16),
-                                           _mm256_set1_epi32(0x7FC0), is_nan);
+  const __m256i value =
+      _mm256_blendv_epi8(_mm256_srli_epi32(rounded, 16), _mm256_set1_epi32(0x7FC0), is_nan);
   // Narrow the eight 32-bit lanes (each < 2^16) to 16 bits.
   const __m256i packed = _mm256_packus_epi32(value, value);
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));

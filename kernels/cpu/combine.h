@@ -12,15 +12,15 @@
 namespace moe::cpu {
 
 struct CombineParams {
-  const float* expert_out = nullptr;      // [routes][hidden]
+  const float* expert_out = nullptr;  // [routes][hidden]
   int64_t hidden = 0;
   int64_t tokens = 0;
   int64_t top_k = 0;
-  const int32_t* route_of = nullptr;      // [tokens][top_k]: route index or -1
-  const float* weights = nullptr;         // [tokens][top_k]
-  int64_t shared = 0;                     // shared experts
+  const int32_t* route_of = nullptr;         // [tokens][top_k]: route index or -1
+  const float* weights = nullptr;            // [tokens][top_k]
+  int64_t shared = 0;                        // shared experts
   const int32_t* shared_route_of = nullptr;  // [tokens][shared]: route index or -1
-  float* out_f32 = nullptr;               // exactly one of the two outputs is set
+  float* out_f32 = nullptr;                  // exactly one of the two outputs is set
   uint16_t* out_bf16 = nullptr;
 };
 

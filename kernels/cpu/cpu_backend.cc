@@ -36,9 +36,8 @@ class CpuBackend final : public ExpertBackend {
   absl::string_view name() const override { return "cpu"; }
 
   std::string device() const override {
-    return absl::StrCat("x86-64 CPU, ", threads_, " threads, ",
-                        cpu::CpuIsaName(kernels_.isa), " kernels (", cpu::FeatureString(features_),
-                        ")");
+    return absl::StrCat("x86-64 CPU, ", threads_, " threads, ", cpu::CpuIsaName(kernels_.isa),
+                        " kernels (", cpu::FeatureString(features_), ")");
   }
 
   // Every weight format, activation, layout and routing the reference covers.
@@ -64,8 +63,9 @@ class CpuBackend final : public ExpertBackend {
     if (absl::Status s = ValidateExpertsRequest(layer, request); !s.ok()) return s;
     std::shared_ptr<const PreparedLayer> prepared = Find(layer_index, layer);
     if (prepared == nullptr) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "cpu backend: layer ", layer_index, " was not prepared (PrepareLayer) with these weights"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("cpu backend: layer ", layer_index,
+                       " was not prepared (PrepareLayer) with these weights"));
     }
     absl::MutexLock lock(&run_mu_);
     const int64_t tokens = request.hidden_states.dim(0);
@@ -115,8 +115,7 @@ class CpuBackend final : public ExpertBackend {
   const int threads_;
   const cpu::PassOptions pass_options_;
   absl::Mutex cache_mu_;
-  std::map<int, std::deque<std::shared_ptr<const PreparedLayer>>> cache_
-      ABSL_GUARDED_BY(cache_mu_);
+  std::map<int, std::deque<std::shared_ptr<const PreparedLayer>>> cache_ ABSL_GUARDED_BY(cache_mu_);
   absl::Mutex run_mu_;
   cpu::ThreadPool pool_ ABSL_GUARDED_BY(run_mu_);
   cpu::PassWorkspace workspace_ ABSL_GUARDED_BY(run_mu_);

@@ -88,9 +88,9 @@ class CpuBackendSweepTest : public testing::TestWithParam<SweepCase> {};
 TEST_P(CpuBackendSweepTest, MatchesReference) {
   const SweepCase& c = GetParam();
   const uint64_t seed = std::hash<std::string>{}(c.name);
-  auto owned = MakeRandomLayer(RandomLayerSpec{c.format, c.layout, ParamsFor(c.act, c.bias),
-                                               c.hidden, c.inter, c.experts, c.shared, c.bias,
-                                               seed});
+  auto owned =
+      MakeRandomLayer(RandomLayerSpec{c.format, c.layout, ParamsFor(c.act, c.bias), c.hidden,
+                                      c.inter, c.experts, c.shared, c.bias, seed});
   const ExpertLayer& layer = owned->layer;
   ASSERT_TRUE(ValidateExpertLayer(layer).ok());
   OwnedRequest want = MakeRandomRequest(
@@ -169,8 +169,8 @@ std::vector<SweepCase> ComboCases() {
   struct Dims {
     int64_t tokens, experts, k, hidden, inter;
   };
-  static constexpr Dims kDims[] = {{3, 4, 2, 96, 160},   {17, 7, 4, 160, 96}, {1, 1, 1, 32, 32},
-                                   {64, 4, 1, 64, 224},  {17, 4, 4, 96, 96},  {3, 7, 2, 224, 32},
+  static constexpr Dims kDims[] = {{3, 4, 2, 96, 160},  {17, 7, 4, 160, 96}, {1, 1, 1, 32, 32},
+                                   {64, 4, 1, 64, 224}, {17, 4, 4, 96, 96},  {3, 7, 2, 224, 32},
                                    {200, 5, 3, 64, 96}};
   static constexpr ActivationKind kActs[] = {ActivationKind::kSilu, ActivationKind::kSwigluOai,
                                              ActivationKind::kSitu, ActivationKind::kGelu,
@@ -207,8 +207,8 @@ INSTANTIATE_TEST_SUITE_P(Combos, CpuBackendSweepTest, testing::ValuesIn(ComboCas
 // ---- Errors and options -------------------------------------------------------------------------
 
 RandomLayerSpec SmallSpec() {
-  return RandomLayerSpec{kMx, kInter, ParamsFor(ActivationKind::kSilu, true), 64, 32, 3, 0, true,
-                         7};
+  return RandomLayerSpec{kMx,  kInter, ParamsFor(ActivationKind::kSilu, true), 64, 32, 3, 0,
+                         true, 7};
 }
 
 TEST(CpuBackendTest, RunWithoutPrepareIsFailedPrecondition) {

@@ -25,10 +25,14 @@ CpuFeatures DetectCpuFeatures() {
 
 std::string FeatureString(const CpuFeatures& f) {
   std::vector<absl::string_view> names;
-  const std::pair<bool, absl::string_view> all[] = {
-      {f.avx2, "avx2"},         {f.fma, "fma"},           {f.f16c, "f16c"},
-      {f.avx512f, "avx512f"},   {f.avx512bw, "avx512bw"}, {f.avx512vl, "avx512vl"},
-      {f.avx512vnni, "avx512vnni"}, {f.avx512bf16, "avx512bf16"}};
+  const std::pair<bool, absl::string_view> all[] = {{f.avx2, "avx2"},
+                                                    {f.fma, "fma"},
+                                                    {f.f16c, "f16c"},
+                                                    {f.avx512f, "avx512f"},
+                                                    {f.avx512bw, "avx512bw"},
+                                                    {f.avx512vl, "avx512vl"},
+                                                    {f.avx512vnni, "avx512vnni"},
+                                                    {f.avx512bf16, "avx512bf16"}};
   for (const auto& [present, name] : all) {
     if (present) names.push_back(name);
   }

@@ -42,8 +42,7 @@ TEST(CpuFeaturesTest, ChooseIsa) {
   EXPECT_EQ(*ChooseIsa("auto", WithAvx512(false)), CpuIsa::kAvx512);
   EXPECT_EQ(ChooseIsa("avx512vnni", WithAvx512(false)).status().code(),
             absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(ChooseIsa("avx512", Avx2Only()).status().code(),
-            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ChooseIsa("avx512", Avx2Only()).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(ChooseIsa("neon", Avx2Only()).status().code(), absl::StatusCode::kInvalidArgument);
 }
 

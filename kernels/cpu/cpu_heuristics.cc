@@ -25,41 +25,33 @@ int64_t PanelCols(int64_t cols, int block) {
   return std::min(cols, blocks * block);
 }
 
-void PlanGemm(absl::Span<const int64_t> route_begin, int64_t units, int thread_count,
-              GemmPlan* plan) {
+void PlanGemm(absl::Span<const int64_t> route_begin, int64_t units, int pieces, GemmPlan* plan) {
   plan->items.clear();
-  plan->thread_items.assign(static_cast<size_t>(thread_count) + 1, 0);
+  plan->next = 0;
   const int64_t experts = static_cast<int64_t>(route_begin.size()) - 1;
   double total = 0;
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t routes = route_begin[e + 1] - route_begin[e];
     if (routes > 0) total += units * (kUnitCost + kRouteCost * routes);
   }
-  // Unit u goes to the thread whose share of [0, total) holds the unit's cost midpoint.
+  // Unit u belongs to the piece of [0, total) that holds the unit's cost midpoint.
   double position = 0;
-  int thread = 0;
+  int current = -1;
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t routes = route_begin[e + 1] - route_begin[e];
     if (routes == 0) continue;
     const double cost = kUnitCost + kRouteCost * routes;
     for (int64_t u = 0; u < units; ++u, position += cost) {
-      const int owner = std::min<int>(thread_count - 1,
-                                      static_cast<int>((position + cost / 2) * thread_count / total));
-      const bool extends = !plan->items.empty() && plan->items.back().expert == e &&
-                           plan->items.back().end == u && owner == thread;
-      if (extends) {
+      const int piece =
+          std::min<int>(pieces - 1, static_cast<int>((position + cost / 2) * pieces / total));
+      if (!plan->items.empty() && plan->items.back().expert == e && piece == current) {
         ++plan->items.back().end;
         continue;
       }
-      for (; thread < owner; ++thread) {
-        plan->thread_items[thread + 1] = static_cast<int32_t>(plan->items.size());
-      }
-      plan->items.push_back(GemmWorkItem{static_cast<int32_t>(e), routes > kStreamMaxRoutes, u,
-                                         u + 1});
+      current = piece;
+      plan->items.push_back(
+          GemmWorkItem{static_cast<int32_t>(e), routes > kStreamMaxRoutes, u, u + 1});
     }
-  }
-  for (; thread < thread_count; ++thread) {
-    plan->thread_items[thread + 1] = static_cast<int32_t>(plan->items.size());
   }
 }
 

@@ -33,17 +33,20 @@ int64_t PanelCols(int64_t cols, int block);
 // Token rows handled per pass of the backend (bounds the workspace).
 inline constexpr int64_t kTokensPerPass = 1024;
 
+// Work items per thread of a phase. The threads claim items in order from a shared cursor, so a
+// thread that the (shared, often busy) machine deschedules delays the phase by at most one item.
+inline constexpr int kItemsPerThread = 4;
+
 struct GemmPlan {
   std::vector<GemmWorkItem> items;
-  std::vector<int32_t> thread_items;  // thread t runs items [thread_items[t], thread_items[t+1])
+  int32_t next = 0;  // the claim cursor (fp4_gemm.h); PlanGemm resets it
 };
 
 // Cuts the output units [0, units) of every expert that has routes (expert e has
-// route_begin[e + 1] - route_begin[e]) into items so that the threads' estimated costs are about
-// equal; items keep expert and unit order, so each thread's share is contiguous. Reuses `plan`'s
-// storage. REQUIRES: thread_count >= 1, route_begin non-decreasing.
-void PlanGemm(absl::Span<const int64_t> route_begin, int64_t units, int thread_count,
-              GemmPlan* plan);
+// route_begin[e + 1] - route_begin[e]) into about `pieces` items of equal estimated cost; items
+// keep expert and unit order. Reuses `plan`'s storage. REQUIRES: pieces >= 1, route_begin
+// non-decreasing.
+void PlanGemm(absl::Span<const int64_t> route_begin, int64_t units, int pieces, GemmPlan* plan);
 
 }  // namespace moe::cpu
 

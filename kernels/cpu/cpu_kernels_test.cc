@@ -1,6 +1,7 @@
 // Hand-derived cases for the baseline-ISA pieces of the CPU backend: activation quantization,
 // the weighted combine (including BF16 rounding), BF16 widening, the gated-activation epilogue
 // and the work-splitting heuristics.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -169,33 +170,40 @@ TEST(HeuristicsTest, EvenSplitAndPanelCols) {
   EXPECT_EQ(PanelCols(528, 16), 512);
 }
 
-TEST(HeuristicsTest, PlanCoversEveryUnitOnceAndBalances) {
+TEST(HeuristicsTest, PlanCoversEveryUnitOnceInOrderAndBalances) {
   // Routes per expert 3, 0, 40, 1, 5 (prefix sums below); 7 units each.
   const std::vector<int64_t> route_begin = {0, 3, 3, 43, 44, 49};
-  for (int threads : {1, 2, 3, 8}) {
+  const auto unit_cost = [&](int e) {
+    return 1.0 + 0.2 * static_cast<double>(route_begin[e + 1] - route_begin[e]);
+  };
+  for (int pieces : {1, 2, 3, 8, 64}) {
     GemmPlan plan;
-    PlanGemm(route_begin, 7, threads, &plan);
-    ASSERT_EQ(plan.thread_items.size(), static_cast<size_t>(threads + 1));
-    EXPECT_EQ(plan.thread_items.front(), 0);
-    EXPECT_EQ(plan.thread_items.back(), static_cast<int32_t>(plan.items.size()));
+    plan.next = 5;
+    PlanGemm(route_begin, 7, pieces, &plan);
+    EXPECT_EQ(plan.next, 0);
     std::vector<std::vector<int>> hits(5, std::vector<int>(7, 0));
-    std::vector<double> cost(threads, 0);
-    for (int t = 0; t < threads; ++t) {
-      ASSERT_LE(plan.thread_items[t], plan.thread_items[t + 1]);
-      for (int32_t i = plan.thread_items[t]; i < plan.thread_items[t + 1]; ++i) {
-        const GemmWorkItem& item = plan.items[i];
-        const int64_t routes = route_begin[item.expert + 1] - route_begin[item.expert];
-        EXPECT_EQ(item.panel, routes > kStreamMaxRoutes);
-        for (int64_t u = item.begin; u < item.end; ++u) ++hits[item.expert][u];
-        cost[t] += (item.end - item.begin) * (1.0 + 0.2 * routes);
+    double total = 0, largest = 0;
+    for (size_t i = 0; i < plan.items.size(); ++i) {
+      const GemmWorkItem& item = plan.items[i];
+      if (i > 0) {  // expert order, then unit order
+        const GemmWorkItem& prev = plan.items[i - 1];
+        EXPECT_TRUE(prev.expert < item.expert ||
+                    (prev.expert == item.expert && prev.end == item.begin));
       }
+      const int64_t routes = route_begin[item.expert + 1] - route_begin[item.expert];
+      EXPECT_EQ(item.panel, routes > kStreamMaxRoutes);
+      for (int64_t u = item.begin; u < item.end; ++u) ++hits[item.expert][u];
+      const double cost = (item.end - item.begin) * unit_cost(item.expert);
+      total += cost;
+      largest = std::max(largest, cost);
     }
     for (int e = 0; e < 5; ++e) {
       for (int u = 0; u < 7; ++u) EXPECT_EQ(hits[e][u], e == 1 ? 0 : 1) << e << "," << u;
     }
-    // No thread gets more than its share plus one unit of the costliest expert (9 = 1 + 0.2 * 40).
-    const double total = std::accumulate(cost.begin(), cost.end(), 0.0);
-    for (double c : cost) EXPECT_LE(c, total / threads + 9.0) << threads;
+    // Each item is at most one piece plus one unit of the costliest expert (9 = 1 + 0.2 * 40),
+    // and a piece only splits where an expert ends.
+    EXPECT_LE(largest, total / pieces + 9.0) << pieces;
+    EXPECT_LE(plan.items.size(), static_cast<size_t>(pieces + 3)) << pieces;
   }
 }
 

@@ -80,7 +80,8 @@ void StageHidden(const PreparedLayer& p, const PassInput& in, bool int8, ThreadP
     float* x = Grow(ws.x_f32, in.tokens * h);
     pool.ParallelFor(pool.num_threads(), [&](int i, int n) {
       const Range rows = EvenSplit(in.tokens, i, n);
-      for (int64_t t = rows.begin; t < rows.end; ++t) Bf16RowToFloat(in.x_bf16 + t * h, h, x + t * h);
+      for (int64_t t = rows.begin; t < rows.end; ++t)
+        Bf16RowToFloat(in.x_bf16 + t * h, h, x + t * h);
     });
     return;
   }
@@ -171,7 +172,7 @@ void RunFp4Phase(const PreparedLayer& p, const ExpertLayer& layer, const GemmIo&
                  const CpuKernels& kernels, ThreadPool& pool, PassWorkspace& ws) {
   const int threads = pool.num_threads();
   const int block = BlockOf(p.format);
-  PlanGemm(ws.route_begin, groups, threads, &ws.plan);
+  PlanGemm(ws.route_begin, groups, threads * kItemsPerThread, &ws.plan);
   PrepareScratch(p, threads, MaxRoutesPerExpert(ws), ws);
   Fp4GemmParams params;
   params.experts = matrices.data();
@@ -190,7 +191,8 @@ void RunFp4Phase(const PreparedLayer& p, const ExpertLayer& layer, const GemmIo&
   params.gated_fn = &GatedActivation;
   params.gated_ctx = &layer.activation;
   params.items = ws.plan.items.data();
-  params.thread_items = ws.plan.thread_items.data();
+  params.num_items = static_cast<int32_t>(ws.plan.items.size());
+  params.next_item = &ws.plan.next;
   params.scratch = ws.scratch.data();
   params.panel_cols = PanelCols(io.input_cols, block);
   pool.ParallelFor(threads, [&](int i, int) { kernels.fp4_gemm(params, i); });
@@ -200,7 +202,8 @@ void RunBf16Phase(const ExpertLayer& layer, const GemmIo& io,
                   const std::vector<Bf16MatrixRef>& matrices, int64_t outputs, ThreadPool& pool,
                   PassWorkspace& ws) {
   const int threads = pool.num_threads();
-  PlanGemm(ws.route_begin, (outputs + kBf16UnitOutputs - 1) / kBf16UnitOutputs, threads, &ws.plan);
+  PlanGemm(ws.route_begin, (outputs + kBf16UnitOutputs - 1) / kBf16UnitOutputs,
+           threads * kItemsPerThread, &ws.plan);
   Bf16GemmParams params;
   params.experts = matrices.data();
   params.route_begin = ws.route_begin.data();
@@ -214,8 +217,9 @@ void RunBf16Phase(const ExpertLayer& layer, const GemmIo& io,
   params.gated_fn = &GatedActivation;
   params.gated_ctx = &layer.activation;
   params.items = ws.plan.items.data();
-  params.thread_items = ws.plan.thread_items.data();
-  pool.ParallelFor(threads, [&](int i, int) { RunBf16Gemm(params, i); });
+  params.num_items = static_cast<int32_t>(ws.plan.items.size());
+  params.next_item = &ws.plan.next;
+  pool.ParallelFor(threads, [&](int, int) { RunBf16Gemm(params); });
 }
 
 void CollectBf16(const ExpertLayer& layer, PassWorkspace& ws) {
@@ -267,10 +271,20 @@ void RunGemms(const PreparedLayer& p, const ExpertLayer& layer, const PassInput&
   }
   CollectBf16(layer, ws);
   const float* x = in.x_f32 != nullptr ? in.x_f32 : ws.x_f32.data();
-  const GemmIo w13{ws.input_row.data(), nullptr, nullptr, nullptr, nullptr, nullptr, x, h, act,
-                   inter, Fp4Epilogue::kGated};
+  const GemmIo w13{
+      ws.input_row.data(), nullptr, nullptr, nullptr, nullptr, nullptr, x, h, act, inter,
+      Fp4Epilogue::kGated};
   RunBf16Phase(layer, w13, ws.bf16_w13, inter, pool, ws);
-  const GemmIo w2{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, act, inter, out, h,
+  const GemmIo w2{nullptr,
+                  nullptr,
+                  nullptr,
+                  nullptr,
+                  nullptr,
+                  nullptr,
+                  act,
+                  inter,
+                  out,
+                  h,
                   Fp4Epilogue::kStore};
   RunBf16Phase(layer, w2, ws.bf16_w2, h, pool, ws);
 }

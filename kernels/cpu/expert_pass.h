@@ -26,12 +26,12 @@ namespace moe::cpu {
 struct PassInput {
   int64_t tokens = 0;
   int64_t top_k = 0;
-  const float* x_f32 = nullptr;     // exactly one of x_f32 / x_bf16: [tokens][hidden]
+  const float* x_f32 = nullptr;  // exactly one of x_f32 / x_bf16: [tokens][hidden]
   const uint16_t* x_bf16 = nullptr;
-  const int32_t* ids = nullptr;     // [tokens][top_k] local slots or -1
-  const float* weights = nullptr;   // [tokens][top_k]
+  const int32_t* ids = nullptr;          // [tokens][top_k] local slots or -1
+  const float* weights = nullptr;        // [tokens][top_k]
   const uint8_t* shared_mask = nullptr;  // [tokens] or null
-  float* out_f32 = nullptr;         // exactly one of the outputs: [tokens][hidden]
+  float* out_f32 = nullptr;              // exactly one of the outputs: [tokens][hidden]
   uint16_t* out_bf16 = nullptr;
 };
 

@@ -14,9 +14,9 @@
 // panel path for many tokens (a [16 rows x panel_cols] slice is decoded once into an int16 panel
 // in L1 and reused by register tiles of up to 6 tokens). Both produce bit-identical results.
 //
-// Called by the CPU backend and benchmarks through Fp4GemmKernel(isa). Thread-safety: each thread
-// writes only the outputs of its own work items and its own scratch. Ownership: everything here
-// is borrowed; this header has plain structs only, so that the per-ISA translation units can
+// Called by the CPU backend and benchmarks through KernelsFor(isa). Thread-safety: each thread
+// writes only the outputs of the work items it claims and its own scratch. Ownership: everything
+// here is borrowed; this header has plain structs only, so that the per-ISA translation units can
 // include it without sharing any inline code with the rest of the program.
 #ifndef MOE_KERNELS_CPU_FP4_GEMM_H_
 #define MOE_KERNELS_CPU_FP4_GEMM_H_
@@ -73,24 +73,27 @@ struct Fp4GemmParams {
   const int32_t* input_row = nullptr;    // row of `input` read by route r; null: row r
   const int16_t* input = nullptr;        // quantized activations [*][input_stride]
   int64_t input_stride = 0;
-  const float* input_scales = nullptr;   // [*][input_scale_stride], one per block
+  const float* input_scales = nullptr;  // [*][input_scale_stride], one per block
   int64_t input_scale_stride = 0;
   // Optional int8 copies of the activations (W4A8): when set, experts on the panel path read
   // these; the streaming path always reads the int16 ones.
-  const int8_t* input8 = nullptr;          // [*][input_stride]
-  const float* input8_scales = nullptr;    // [*][input_scale_stride]
-  const int32_t* input8_bias = nullptr;    // [*][input_scale_stride]: 12 * block sum of input8
+  const int8_t* input8 = nullptr;        // [*][input_stride]
+  const float* input8_scales = nullptr;  // [*][input_scale_stride]
+  const int32_t* input8_bias = nullptr;  // [*][input_scale_stride]: 12 * block sum of input8
   float* out = nullptr;                  // [routes][out_stride]
   int64_t out_stride = 0;
   Fp4Epilogue epilogue = Fp4Epilogue::kStore;
   GatedFn gated_fn = nullptr;
   const void* gated_ctx = nullptr;
   const GemmWorkItem* items = nullptr;  // units are 16-row groups
-  const int32_t* thread_items = nullptr;  // thread t runs items [thread_items[t], thread_items[t+1])
-  Fp4Scratch* scratch = nullptr;          // [thread count]
-  int64_t panel_cols = 0;                 // multiple of 32
+  int32_t num_items = 0;
+  int32_t* next_item = nullptr;   // shared claim cursor, 0 before the phase
+  Fp4Scratch* scratch = nullptr;  // [thread count]
+  int64_t panel_cols = 0;         // multiple of 32
 };
 
+// Claims and runs items until none is left, with scratch[thread_index]; call from every thread
+// of the phase.
 using Fp4GemmFn = void (*)(const Fp4GemmParams& params, int thread_index);
 
 // Per-ISA entry points (fp4_gemm_<isa>.cc); call only on a processor that has the ISA.

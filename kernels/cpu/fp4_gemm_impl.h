@@ -22,7 +22,7 @@ namespace moe::cpu::MOE_CPU_ISA {
 using VI = Simd::VI;
 using VF = Simd::VF;
 constexpr int kH = Simd::kHalves;
-constexpr int kL = Simd::kLanes;  // rows per half
+constexpr int kL = Simd::kLanes;             // rows per half
 constexpr int kPairInt16s = 2 * kGroupRows;  // one k-pair of a group in the panel
 
 // ---- Decode -------------------------------------------------------------------------------------
@@ -55,8 +55,7 @@ inline void BlockScales(const Fp4MatrixRef& m, const uint8_t* bytes, VF* out) {
 // acc += float(sum) * (weight scale * activation scale): the one rounding point per block,
 // shared by both paths so that they agree bit for bit.
 inline VF ScaleBlock(VI sum, VF weight_scale, float activation_scale, VF acc) {
-  return Simd::Fma(Simd::ToFloat(sum), Simd::Mul(weight_scale, Simd::Set1F(activation_scale)),
-                   acc);
+  return Simd::Fma(Simd::ToFloat(sum), Simd::Mul(weight_scale, Simd::Set1F(activation_scale)), acc);
 }
 
 // ---- Epilogue -----------------------------------------------------------------------------------
@@ -167,9 +166,8 @@ inline void RunStreamItem(const Fp4GemmParams& p, const GemmWorkItem& item) {
   const Fp4MatrixRef& m = p.experts[item.expert];
   const int64_t end = p.route_begin[item.expert + 1];
   for (int64_t r = p.route_begin[item.expert]; r < end; r += kStreamTokens) {
-    WithRoutes<kStreamTokens>(end - r, [&](auto routes) {
-      StreamRoutes<decltype(routes)::kValue>(p, m, item, r);
-    });
+    WithRoutes<kStreamTokens>(
+        end - r, [&](auto routes) { StreamRoutes<decltype(routes)::kValue>(p, m, item, r); });
   }
 }
 
@@ -190,8 +188,7 @@ inline void DecodePanelScales(const Fp4MatrixRef& m, int64_t g, int64_t c0, int6
 
 // Decodes chunks [c0, c0 + n) of group g into an int16 panel: k-pair major, kPairInt16s per
 // pair. REQUIRES: c0 and n whole blocks.
-inline void DecodePanel16(const Fp4MatrixRef& m, int64_t g, int64_t c0, int64_t n,
-                          int16_t* panel) {
+inline void DecodePanel16(const Fp4MatrixRef& m, int64_t g, int64_t c0, int64_t n, int16_t* panel) {
   const Decoder decode;
   const uint8_t* codes = m.codes + (g * (m.cols / kChunkCols) + c0) * kChunkBytes;
   for (int64_t i = 0; i < n; ++i) {
@@ -206,8 +203,7 @@ inline void DecodePanel16(const Fp4MatrixRef& m, int64_t g, int64_t c0, int64_t 
 }
 
 // The int8 panel: per 4 columns, 64 bytes (one int32 lane of 4 biased codes per row).
-inline void DecodePanel8(const Fp4MatrixRef& m, int64_t g, int64_t c0, int64_t n,
-                         uint8_t* panel) {
+inline void DecodePanel8(const Fp4MatrixRef& m, int64_t g, int64_t c0, int64_t n, uint8_t* panel) {
   const VI table = Simd::BiasedCodeTable();
   const VI low = Simd::LowNibbleMask();
   const uint8_t* codes = m.codes + (g * (m.cols / kChunkCols) + c0) * kChunkBytes;
@@ -269,52 +265,58 @@ struct Inputs8 {
   }
 };
 
-// Exact int32 sums of one block for route t, both halves, int8 activations: with a fused byte
-// dot product (VNNI) directly; otherwise through int16 sums of 4 quads (fp4_gemm.h bounds them).
+// Exact int32 sums of one block for one route, both halves, int8 activations, without a fused
+// byte dot product: int16 sums of 4 quads (fp4_gemm.h bounds them), then one widening.
 inline void BlockSums8(const uint8_t* w, int quads, const int8_t* x, VI* sum) {
+  constexpr int kQuadsPerSum = 4;
   for (int h = 0; h < kH; ++h) sum[h] = Simd::ZeroI();
-  if constexpr (Simd::kFusedDot8) {
-    for (int q = 0; q < quads; ++q) {
+  for (int q0 = 0; q0 < quads; q0 += kQuadsPerSum) {
+    VI pairs[kH];
+    for (int q = q0; q < q0 + kQuadsPerSum; ++q) {
       const VI xq = Simd::BroadcastQuad(x + 4 * q);
       for (int h = 0; h < kH; ++h) {
-        sum[h] = Simd::DotAccU8S8(sum[h], Simd::LoadI(w + q * kChunkBytes + h * Simd::kVecBytes), xq);
+        const VI p = Simd::BytePairs(Simd::LoadI(w + q * kChunkBytes + h * Simd::kVecBytes), xq);
+        pairs[h] = q == q0 ? p : Simd::AddI16(pairs[h], p);
       }
     }
-  } else {
-    constexpr int kQuadsPerSum = 4;
-    for (int q0 = 0; q0 < quads; q0 += kQuadsPerSum) {
-      VI pairs[kH];
-      for (int q = q0; q < q0 + kQuadsPerSum; ++q) {
-        const VI xq = Simd::BroadcastQuad(x + 4 * q);
-        for (int h = 0; h < kH; ++h) {
-          const VI p = Simd::BytePairs(Simd::LoadI(w + q * kChunkBytes + h * Simd::kVecBytes), xq);
-          pairs[h] = q == q0 ? p : Simd::AddI16(pairs[h], p);
-        }
-      }
-      for (int h = 0; h < kH; ++h) sum[h] = Simd::AccumulatePairs(sum[h], pairs[h]);
-    }
+    for (int h = 0; h < kH; ++h) sum[h] = Simd::AccumulatePairs(sum[h], pairs[h]);
   }
 }
 
-// acc[t][0, 16) += the panel's blocks for T routes, int8 activations. Routes go one at a time
-// (the weights are reloaded from L1 for each): the int32 sums then need only kH registers.
+// acc[t][0, 16) += the panel's blocks for T routes, int8 activations. With a fused byte dot
+// product (VNNI) the T routes share each weight load in a register tile; without one, routes go
+// one at a time (weights reloaded from L1), which leaves registers for the int16 partial sums.
 template <int T>
 void PanelTile8(const uint8_t* panel, const float* scales, int64_t blocks, int block,
                 const Inputs8<T>& in, float* acc) {
   const int quads = block / 4;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* w = panel + b * quads * kChunkBytes;
+    VI sum[T][kH];
+    if constexpr (Simd::kFusedDot8) {
+      for (int t = 0; t < T; ++t) {
+        for (int h = 0; h < kH; ++h) sum[t][h] = Simd::ZeroI();
+      }
+      for (int q = 0; q < quads; ++q) {
+        VI wv[kH];
+        for (int h = 0; h < kH; ++h) wv[h] = Simd::LoadI(w + q * kChunkBytes + h * Simd::kVecBytes);
+        for (int t = 0; t < T; ++t) {
+          const VI xq = Simd::BroadcastQuad(in.x[t] + b * block + 4 * q);
+          for (int h = 0; h < kH; ++h) sum[t][h] = Simd::DotAccU8S8(sum[t][h], wv[h], xq);
+        }
+      }
+    } else {
+      for (int t = 0; t < T; ++t) BlockSums8(w, quads, in.x[t] + b * block, sum[t]);
+    }
     for (int t = 0; t < T; ++t) {
-      VI sum[kH];
-      BlockSums8(w, quads, in.x[t] + b * block, sum);
       // The row scale expects the int16 path's codes, which sit 2^8 higher.
       const float scale = in.scale[t][b] * 256.f;
       const VI bias = Simd::Set1I32(in.bias[t][b]);
       for (int h = 0; h < kH; ++h) {
         float* a = acc + t * kGroupRows + h * kL;
         const VF weight_scale = Simd::LoadF(scales + b * kGroupRows + h * kL);
-        Simd::StoreF(a, ScaleBlock(Simd::SubI32(sum[h], bias), weight_scale, scale,
-                                   Simd::LoadF(a)));
+        Simd::StoreF(
+            a, ScaleBlock(Simd::SubI32(sum[t][h], bias), weight_scale, scale, Simd::LoadF(a)));
       }
     }
   }
@@ -373,7 +375,9 @@ inline void RunPanelItem(const Fp4GemmParams& p, const GemmWorkItem& item,
 // ---- Entry --------------------------------------------------------------------------------------
 
 inline void RunFp4Gemm(const Fp4GemmParams& p, int thread_index) {
-  for (int32_t i = p.thread_items[thread_index]; i < p.thread_items[thread_index + 1]; ++i) {
+  for (;;) {
+    const int32_t i = __atomic_fetch_add(p.next_item, 1, __ATOMIC_RELAXED);
+    if (i >= p.num_items) return;
     const GemmWorkItem& item = p.items[i];
     if (item.panel) {
       RunPanelItem(p, item, p.scratch[thread_index]);

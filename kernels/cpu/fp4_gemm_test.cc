@@ -15,6 +15,7 @@
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/quantize_rows.h"
 #include "kernels/cpu/random_layer.h"
+#include "kernels/cpu/thread_pool.h"
 
 namespace moe::cpu {
 namespace {
@@ -52,7 +53,8 @@ struct Problem {
   std::vector<float> s8;
   std::vector<int32_t> b8;
 
-  Problem(WeightFormat f, int64_t r, int64_t c, RowPairing p) : format(f), rows(r), cols(c), pairing(p) {
+  Problem(WeightFormat f, int64_t r, int64_t c, RowPairing p)
+      : format(f), rows(r), cols(c), pairing(p) {
     block = f == WeightFormat::kMxfp4 ? 32 : 16;
     std::mt19937_64 rng(r * 131 + c);
     std::normal_distribution<float> normal;
@@ -103,11 +105,7 @@ void TestGated(const void*, const float* gate, const float* up, int n, float* ou
   for (int i = 0; i < n; ++i) out[i] = 2 * gate[i] - up[i];
 }
 
-struct Run {
-  std::vector<float> out;
-};
-
-// Runs the kernel with every expert's groups split in two work items, one per "thread".
+// Runs the kernel on two pool threads with every expert's groups split in two work items.
 std::vector<float> RunKernel(const Problem& pb, CpuIsa isa, bool int8, bool force_panel,
                              Fp4Epilogue epilogue) {
   const int64_t groups = pb.rows / kGroupRows;
@@ -118,13 +116,13 @@ std::vector<float> RunKernel(const Problem& pb, CpuIsa isa, bool int8, bool forc
     items.push_back({static_cast<int32_t>(e), panel, 0, groups / 2});
     items.push_back({static_cast<int32_t>(e), panel, groups / 2, groups});
   }
-  const std::vector<int32_t> thread_items = {0, 3, static_cast<int32_t>(items.size())};
   const int64_t panel_cols = PanelCols(pb.cols, pb.block);
   std::vector<AlignedVector<int16_t>> panels(2, AlignedVector<int16_t>(panel_cols * 16));
   std::vector<std::vector<float>> panel_scales(2, std::vector<float>(panel_cols));
   std::vector<std::vector<float>> acc(2, std::vector<float>(16 * 9));
   std::vector<Fp4Scratch> scratch;
-  for (int i = 0; i < 2; ++i) scratch.push_back({panels[i].data(), panel_scales[i].data(), acc[i].data()});
+  for (int i = 0; i < 2; ++i)
+    scratch.push_back({panels[i].data(), panel_scales[i].data(), acc[i].data()});
   const int64_t out_cols = epilogue == Fp4Epilogue::kStore ? pb.rows : pb.rows / 2;
   std::vector<float> out(pb.route_begin.back() * out_cols, std::nanf(""));
   Fp4GemmParams p;
@@ -144,13 +142,16 @@ std::vector<float> RunKernel(const Problem& pb, CpuIsa isa, bool int8, bool forc
   p.out_stride = out_cols;
   p.epilogue = epilogue;
   p.gated_fn = &TestGated;
+  int32_t next = 0;
   p.items = items.data();
-  p.thread_items = thread_items.data();
+  p.num_items = static_cast<int32_t>(items.size());
+  p.next_item = &next;
   p.scratch = scratch.data();
   p.panel_cols = panel_cols;
   const Fp4GemmFn kernel = KernelsFor(isa).fp4_gemm;
-  kernel(p, 1);
-  kernel(p, 0);
+  ThreadPool pool(2);
+  pool.ParallelFor(2, [&](int i, int) { kernel(p, i); });
+  EXPECT_EQ(next, static_cast<int32_t>(items.size()) + 2);  // every item claimed once
   return out;
 }
 

@@ -2,6 +2,7 @@
 // layout in fp4_pack.h gives it.
 #include "kernels/cpu/fp4_pack.h"
 
+#include <array>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -28,6 +29,40 @@ NibblePlace PlaceOf(int r, int kc) {
 uint8_t SourceCode(const uint8_t* row_bytes, int64_t k) {
   const uint8_t byte = row_bytes[k / 2];
   return k % 2 == 0 ? byte & 0x0F : byte >> 4;
+}
+
+// Chunk byte b takes its low nibble from (row, column) and its high nibble from (row, column + 4)
+// of the chunk (PlaceOf puts k-pairs u and u + 2 of one row in one byte); with the chunk's source
+// bytes gathered row by row (4 per row), both nibbles come from gathered bytes lo and hi, at the
+// same shift.
+struct ChunkByteSource {
+  uint8_t lo;
+  uint8_t hi;
+  uint8_t shift;
+};
+using ChunkSources = std::array<ChunkByteSource, kChunkBytes>;
+
+ChunkSources MakeChunkSources() {
+  ChunkSources s{};
+  for (int r = 0; r < kGroupRows; ++r) {
+    for (int col = 0; col < kChunkCols / 2; ++col) {
+      s[PlaceOf(r, col).byte] = {static_cast<uint8_t>(4 * r + col / 2),
+                                 static_cast<uint8_t>(4 * r + (col + 4) / 2),
+                                 static_cast<uint8_t>(4 * (col % 2))};
+    }
+  }
+  return s;
+}
+
+// Packs chunk c of a group whose row r starts at rows[r] in the source.
+void PackChunk(const ChunkSources& sources, const uint8_t* const* rows, int64_t c, uint8_t* out) {
+  uint8_t gathered[kChunkBytes];
+  for (int r = 0; r < kGroupRows; ++r) std::memcpy(&gathered[4 * r], rows[r] + 4 * c, 4);
+  for (int b = 0; b < kChunkBytes; ++b) {
+    const ChunkByteSource& s = sources[b];
+    out[b] = static_cast<uint8_t>((gathered[s.lo] >> s.shift & 0x0F) |
+                                  (gathered[s.hi] >> s.shift & 0x0F) << 4);
+  }
 }
 
 }  // namespace
@@ -70,28 +105,28 @@ absl::StatusOr<PackedFp4Matrix> PackFp4Matrix(const WeightMatrix& w, RowPairing 
   m.rows = w.rows;
   m.cols = w.cols;
   const int64_t chunks = w.cols / kChunkCols, blocks = w.cols / block;
-  m.codes.assign(static_cast<size_t>(w.rows / kGroupRows * chunks * kChunkBytes), 0);
+  m.codes.resize(static_cast<size_t>(w.rows / kGroupRows * chunks * kChunkBytes));
   m.scales.resize(static_cast<size_t>(w.rows * blocks));
   m.row_scale.resize(static_cast<size_t>(w.rows));
   if (bias != nullptr) m.bias.resize(static_cast<size_t>(w.rows));
   const uint8_t* values = w.values.As<const uint8_t>();
   const uint8_t* scales = w.scales.As<const uint8_t>();
-  for (int64_t p = 0; p < w.rows; ++p) {
-    const int64_t src = SourceRow(pairing, layout, w.rows, p);
-    const bool first = pairing == RowPairing::kPlain || p % kGroupRows < kHalfRows;
-    const int64_t g = p / kGroupRows;
-    const int r = static_cast<int>(p % kGroupRows);
-    m.row_scale[p] = kCodeUnit * (first ? first_scale : second_scale);
-    if (bias != nullptr) m.bias[p] = bias[src];
-    for (int64_t b = 0; b < blocks; ++b) {
-      m.scales[(g * blocks + b) * kGroupRows + r] = scales[src * blocks + b];
+  static const ChunkSources sources = MakeChunkSources();
+  for (int64_t g = 0; g < w.rows / kGroupRows; ++g) {
+    const uint8_t* rows[kGroupRows];
+    for (int r = 0; r < kGroupRows; ++r) {
+      const int64_t p = g * kGroupRows + r;
+      const int64_t src = SourceRow(pairing, layout, w.rows, p);
+      const bool first = pairing == RowPairing::kPlain || r < kHalfRows;
+      m.row_scale[p] = kCodeUnit * (first ? first_scale : second_scale);
+      if (bias != nullptr) m.bias[p] = bias[src];
+      for (int64_t b = 0; b < blocks; ++b) {
+        m.scales[(g * blocks + b) * kGroupRows + r] = scales[src * blocks + b];
+      }
+      rows[r] = values + src * (w.cols / 2);
     }
-    const uint8_t* row_bytes = values + src * (w.cols / 2);
-    for (int64_t k = 0; k < w.cols; ++k) {
-      const NibblePlace place = PlaceOf(r, static_cast<int>(k % kChunkCols));
-      uint8_t& byte = m.codes[(g * chunks + k / kChunkCols) * kChunkBytes + place.byte];
-      const uint8_t code = SourceCode(row_bytes, k);
-      byte |= place.high ? static_cast<uint8_t>(code << 4) : code;
+    for (int64_t c = 0; c < chunks; ++c) {
+      PackChunk(sources, rows, c, &m.codes[(g * chunks + c) * kChunkBytes]);
     }
   }
   return m;
@@ -100,7 +135,8 @@ absl::StatusOr<PackedFp4Matrix> PackFp4Matrix(const WeightMatrix& w, RowPairing 
 uint8_t PackedCode(const PackedFp4Matrix& m, int64_t p, int64_t k) {
   const int64_t chunks = m.cols / kChunkCols;
   const NibblePlace place = PlaceOf(static_cast<int>(p % kGroupRows), static_cast<int>(k % 8));
-  const uint8_t byte = m.codes[(p / kGroupRows * chunks + k / kChunkCols) * kChunkBytes + place.byte];
+  const uint8_t byte =
+      m.codes[(p / kGroupRows * chunks + k / kChunkCols) * kChunkBytes + place.byte];
   return place.high ? byte >> 4 : byte & 0x0F;
 }
 

@@ -37,9 +37,9 @@ uint8_t SourceCode(const Source& s, int64_t row, int64_t k) {
 TEST(Fp4PackTest, SourceRowsOfGateUpPairing) {
   const GateUpLayout kInter = GateUpLayout::kInterleaved, kConcat = GateUpLayout::kConcatenated;
   // 32 rows: I = 16, groups 0 and 1; packed row p = 16 g + i, gate j = 8 g + i % 8.
-  EXPECT_EQ(SourceRow(RowPairing::kGateUp, kInter, 32, 0), 0);    // gate 0
+  EXPECT_EQ(SourceRow(RowPairing::kGateUp, kInter, 32, 0), 0);  // gate 0
   EXPECT_EQ(SourceRow(RowPairing::kGateUp, kConcat, 32, 0), 0);
-  EXPECT_EQ(SourceRow(RowPairing::kGateUp, kInter, 32, 8), 1);    // up 0
+  EXPECT_EQ(SourceRow(RowPairing::kGateUp, kInter, 32, 8), 1);  // up 0
   EXPECT_EQ(SourceRow(RowPairing::kGateUp, kConcat, 32, 8), 16);
   EXPECT_EQ(SourceRow(RowPairing::kGateUp, kInter, 32, 17), 18);  // gate 9
   EXPECT_EQ(SourceRow(RowPairing::kGateUp, kConcat, 32, 17), 9);
@@ -65,7 +65,8 @@ TEST_P(Fp4PackCaseTest, EveryElementScaleAndBiasLandsInPlace) {
   const Source s = RandomSource(c.format, c.rows, c.cols, c.rows * 7 + c.cols);
   std::vector<float> bias(c.rows);
   for (int64_t r = 0; r < c.rows; ++r) bias[r] = 0.5f * r - 3;
-  absl::StatusOr<PackedFp4Matrix> m = PackFp4Matrix(s.w, c.pairing, c.layout, 2.f, 3.f, bias.data());
+  absl::StatusOr<PackedFp4Matrix> m =
+      PackFp4Matrix(s.w, c.pairing, c.layout, 2.f, 3.f, bias.data());
   ASSERT_TRUE(m.ok()) << m.status();
   const int64_t block = c.format == WeightFormat::kMxfp4 ? 32 : 16;
   const Fp4MatrixRef ref = m->ref();
@@ -110,8 +111,8 @@ TEST(Fp4PackTest, NoBiasAndInvalidShapes) {
                 .code(),
             absl::StatusCode::kInvalidArgument);
   std::vector<uint16_t> bf16(16 * 32);
-  const WeightMatrix w{WeightFormat::kBf16, 16, 32,
-                       MakeView(DType::kBF16, {16, 32}, bf16.data()), {}};
+  const WeightMatrix w{
+      WeightFormat::kBf16, 16, 32, MakeView(DType::kBF16, {16, 32}, bf16.data()), {}};
   EXPECT_EQ(PackFp4Matrix(w, RowPairing::kPlain, GateUpLayout::kInterleaved, 1.f, 1.f, nullptr)
                 .status()
                 .code(),

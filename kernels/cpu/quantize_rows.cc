@@ -70,8 +70,8 @@ void QuantizeBlock8(const __m256* v, int n, int8_t* q, float* scale, int32_t* bi
     const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], inverse));
     sum = _mm256_add_epi32(sum, _mm256_add_epi32(lo, hi));
     const __m256i words = _mm256_packs_epi32(lo, hi);  // lanes: lo0-3 hi0-3 | lo4-7 hi4-7
-    const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words),
-                                          _mm256_extracti128_si256(words, 1));
+    const __m128i bytes =
+        _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
     // bytes: lo0-3 hi0-3 lo4-7 hi4-7; restore column order.
     const __m128i ordered = _mm_shuffle_epi32(bytes, _MM_SHUFFLE(3, 1, 2, 0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 8 * i), ordered);

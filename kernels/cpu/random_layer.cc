@@ -119,8 +119,9 @@ std::unique_ptr<OwnedLayer> MakeRandomLayer(const RandomLayerSpec& s) {
 
 ExpertsRequest OwnedRequest::Request() {
   ExpertsRequest r;
-  r.hidden_states = in_dtype == DType::kF32 ? MakeView(DType::kF32, {tokens, hidden}, x_f32.data())
-                                            : MakeView(DType::kBF16, {tokens, hidden}, x_bf16.data());
+  r.hidden_states = in_dtype == DType::kF32
+                        ? MakeView(DType::kF32, {tokens, hidden}, x_f32.data())
+                        : MakeView(DType::kBF16, {tokens, hidden}, x_bf16.data());
   r.local_ids = MakeView(DType::kI32, {tokens, top_k}, ids.data());
   r.topk_weights = MakeView(DType::kF32, {tokens, top_k}, weights.data());
   if (!mask.empty()) r.shared_mask = MakeView(DType::kBool, {tokens}, mask.data());

@@ -45,7 +45,7 @@ struct RandomRequestSpec {
   int64_t top_k = 1;
   DType in_dtype = DType::kF32;
   DType out_dtype = DType::kF32;
-  double not_local = 0.25;  // probability that a route is -1
+  double not_local = 0.25;   // probability that a route is -1
   bool shared_mask = false;  // send a random mask
   uint64_t seed = 1;
 };

@@ -16,9 +16,9 @@
 namespace moe::cpu::MOE_CPU_ISA {
 
 struct Simd {
-  static constexpr int kHalves = 2;    // vectors per 16-row group
+  static constexpr int kHalves = 2;  // vectors per 16-row group
   static constexpr int kVecBytes = 32;
-  static constexpr int kLanes = 8;     // int32 / fp32 lanes
+  static constexpr int kLanes = 8;        // int32 / fp32 lanes
   static constexpr int kPanelTokens = 4;  // register tile of the panel path (16 registers)
   using VI = __m256i;
   using VF = __m256;
@@ -39,9 +39,7 @@ struct Simd {
   static VI HighBytesLow(VI v) { return _mm256_unpacklo_epi8(_mm256_setzero_si256(), v); }
   static VI HighBytesHigh(VI v) { return _mm256_unpackhi_epi8(_mm256_setzero_si256(), v); }
   // The int16 pair at p in every int32 lane.
-  static VI BroadcastPair(const int16_t* p) {
-    return _mm256_broadcastd_epi32(_mm_loadu_si32(p));
-  }
+  static VI BroadcastPair(const int16_t* p) { return _mm256_broadcastd_epi32(_mm_loadu_si32(p)); }
   // acc + pairwise int16 dot products.
   static VI DotAcc(VI acc, VI a, VI b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
 
@@ -91,7 +89,8 @@ struct Simd {
   // and mantissa read as 2^-120 times the value (subnormals included), hence the product.
   static VF E4m3(const uint8_t* p) {
     const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m256i magnitude = _mm256_slli_epi32(_mm256_and_si256(wide, _mm256_set1_epi32(0x7F)), 20);
+    const __m256i magnitude =
+        _mm256_slli_epi32(_mm256_and_si256(wide, _mm256_set1_epi32(0x7F)), 20);
     const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(wide, _mm256_set1_epi32(0x80)), 24);
     const __m256 value = _mm256_mul_ps(_mm256_castsi256_ps(magnitude), _mm256_set1_ps(0x1p120f));
     return _mm256_or_ps(value, _mm256_castsi256_ps(sign));

@@ -35,9 +35,7 @@ struct Simd {
   static VI Lookup(VI table, VI index) { return _mm512_shuffle_epi8(table, index); }
   static VI HighBytesLow(VI v) { return _mm512_unpacklo_epi8(_mm512_setzero_si512(), v); }
   static VI HighBytesHigh(VI v) { return _mm512_unpackhi_epi8(_mm512_setzero_si512(), v); }
-  static VI BroadcastPair(const int16_t* p) {
-    return _mm512_broadcastd_epi32(_mm_loadu_si32(p));
-  }
+  static VI BroadcastPair(const int16_t* p) { return _mm512_broadcastd_epi32(_mm_loadu_si32(p)); }
 #if defined(__AVX512VNNI__)
   static VI DotAcc(VI acc, VI a, VI b) { return _mm512_dpwssd_epi32(acc, a, b); }
 #else
@@ -83,7 +81,8 @@ struct Simd {
   }
   static VF E4m3(const uint8_t* p) {
     const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m512i magnitude = _mm512_slli_epi32(_mm512_and_si512(wide, _mm512_set1_epi32(0x7F)), 20);
+    const __m512i magnitude =
+        _mm512_slli_epi32(_mm512_and_si512(wide, _mm512_set1_epi32(0x7F)), 20);
     const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(wide, _mm512_set1_epi32(0x80)), 24);
     const __m512 value = _mm512_mul_ps(_mm512_castsi512_ps(magnitude), _mm512_set1_ps(0x1p120f));
     return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(value), sign));

@@ -14,8 +14,9 @@ namespace moe::cpu {
 namespace {
 
 // How long a waiting thread spins before it sleeps. Long enough to cover the gap between the
-// phases of one batch, short enough that an idle pool stops competing for the cores quickly.
-constexpr auto kSpinBudget = std::chrono::microseconds(100);
+// phases of one batch, short enough that an idle pool stops competing for the cores quickly
+// (shard processes often share them).
+constexpr auto kSpinBudget = std::chrono::microseconds(30);
 
 constexpr uint64_t kThreadsMask = 0xFFFF;
 constexpr uint64_t kStopThreads = kThreadsMask;  // thread count that tells workers to exit

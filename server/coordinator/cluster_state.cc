@@ -252,8 +252,8 @@ bool ClusterState::AddCountsLocked(int rank, const v1::LoadDelta& delta) {
   if (delta.slot_counts_size() == 0) return false;
   // Counts are attributed through the placement they were recorded under; 0 (a peer that does
   // not name it) means the current map.
-  const uint64_t version = delta.map_version() > 0 ? delta.map_version() : std::max<uint64_t>(
-                                                                               version_, 1);
+  const uint64_t version =
+      delta.map_version() > 0 ? delta.map_version() : std::max<uint64_t>(version_, 1);
   auto it = placements_.find(version);
   if (it == placements_.end()) {
     LOG_EVERY_N(WARNING, 100) << "load delta of rank " << rank << " names map version " << version

@@ -58,7 +58,8 @@ struct ClusterOptions {
   // experts). Off, its experts without another replica stay unavailable until a rebalance (or a
   // drain) moves them, e.g. while waiting for a replacement shard when survivors lack memory.
   bool restore_after_failure = true;
-  // Hierarchical EPLB: nodes (ranks are node-major) and expert groups; 1 and 1 is the global policy.
+  // Hierarchical EPLB: nodes (ranks are node-major) and expert groups; 1 and 1 is the global
+  // policy.
   int eplb_nodes = 1;
   int eplb_groups = 1;
   // Time source; tests substitute a fake clock.

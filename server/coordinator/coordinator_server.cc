@@ -99,7 +99,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(JoinHostPort(options.host, options.port),
-                           grpc::InsecureServerCredentials(), &server->port_);
+                           options.credentials != nullptr ? options.credentials
+                                                          : grpc::InsecureServerCredentials(),
+                           &server->port_);
   // gRPC sets SO_REUSEPORT by default, which lets a second coordinator on the same port start
   // "successfully" and split the shards' connections with the first; fail the bind instead.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);

@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "server/coordinator/cluster_state.h"
 #include "server/coordinator/coordinator_service.h"
@@ -39,6 +40,8 @@ struct CoordinatorOptions {
   // Background upkeep: liveness, switch commits, health checks, periodic rebalancing. Start sets
   // its tick and probe interval from the heartbeat interval.
   SupervisorOptions supervisor;
+  // Listening credentials (TLS/mTLS, token processor: server/common/tls.h); null: plaintext.
+  std::shared_ptr<grpc::ServerCredentials> credentials;
 };
 
 // INVALID_ARGUMENT naming the first out-of-range option.

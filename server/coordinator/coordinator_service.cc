@@ -20,6 +20,7 @@ constexpr absl::Duration kWatchCancelPoll = absl::Milliseconds(100);
 
 // Longest a Rebalance or Drain with `wait` blocks when the caller set no deadline.
 constexpr absl::Duration kMaxSwitchWait = absl::Minutes(5);
+constexpr absl::Duration kAnswerMargin = absl::Milliseconds(100);
 
 // Metadata values must be printable ASCII.
 std::string PrintableAscii(std::string text) {
@@ -99,8 +100,10 @@ grpc::Status CoordinatorService::GetLoadStats(grpc::ServerContext* context,
 }
 
 bool CoordinatorService::AwaitCommit(grpc::ServerContext* context, uint64_t version) {
-  const absl::Time deadline =
-      std::min(absl::FromChrono(context->deadline()), absl::Now() + kMaxSwitchWait);
+  const absl::Time now = absl::Now();
+  absl::Time deadline = std::min(absl::FromChrono(context->deadline()), now + kMaxSwitchWait);
+  // Answer a little before the caller gives up, so that "not committed yet" reaches it.
+  deadline -= std::min(kAnswerMargin, (deadline - now) / 4);
   absl::StatusOr<bool> committed = state_->AwaitCommit(version, deadline);
   return committed.ok() && *committed;
 }

@@ -250,6 +250,60 @@ TEST_F(CoordinatorServiceTest, RefreshPullsLoadFromShardsAndReportsFailures) {
   EXPECT_EQ(stats.total_routes(), 20);
 }
 
+TEST_F(CoordinatorServiceTest, PlacementCallsCrossTheWireWithTheirCodes) {
+  StartCoordinator(2);
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    v1::RebalancePlan plan;
+    EXPECT_EQ(stub_->Rebalance(&context, v1::RebalanceRequest(), &plan).error_code(),
+              grpc::StatusCode::UNAVAILABLE);  // no map yet
+  }
+  v1::RegisterShardResponse a, b;
+  ASSERT_TRUE(Register("127.0.0.1:7101", Model(1, 2), &a).ok());
+  ASSERT_TRUE(Register("127.0.0.1:7102", Model(1, 2), &b).ok());
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    v1::RebalanceRequest request;
+    request.set_dry_run(true);
+    v1::RebalancePlan plan;
+    ASSERT_TRUE(stub_->Rebalance(&context, request, &plan).ok());
+    EXPECT_EQ(plan.layers_size(), 1);
+    EXPECT_EQ(plan.new_map_version(), 0u);
+  }
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    v1::DrainRequest request;
+    request.set_shard_id("nobody");
+    v1::DrainResponse response;
+    EXPECT_EQ(stub_->Drain(&context, request, &response).error_code(), grpc::StatusCode::NOT_FOUND);
+  }
+  {
+    // Draining rank 1 moves its slot to rank 0, which never reports it loaded: with `wait`, the
+    // call returns at its deadline, not committed.
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+    v1::DrainRequest request;
+    request.set_shard_id(b.shard_id());
+    request.set_wait(true);
+    v1::DrainResponse response;
+    ASSERT_TRUE(stub_->Drain(&context, request, &response).ok());
+    EXPECT_EQ(response.new_map_version(), 2u);
+    EXPECT_FALSE(response.committed());
+  }
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    v1::GetLoadStatsRequest request;
+    request.set_window_seconds(-1);
+    v1::LoadStats stats;
+    EXPECT_EQ(stub_->GetLoadStats(&context, request, &stats).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+  }
+}
+
 TEST_F(CoordinatorServiceTest, ShutdownEndsWatchStreams) {
   StartCoordinator(1);
   grpc::ClientContext watch_context;

@@ -10,6 +10,7 @@
 #include "grpcpp/support/channel_arguments.h"
 #include "moe/v1/shard.grpc.pb.h"
 #include "server/common/status.h"
+#include "server/common/tls.h"
 
 namespace moe {
 namespace {
@@ -62,7 +63,7 @@ std::shared_ptr<grpc::Channel> LoadCollector::ChannelFor(const std::string& addr
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(max_message_bytes_);
     args.SetMaxSendMessageSize(max_message_bytes_);
-    channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    channel = CreateSecureChannel(address, DefaultChannelSecurity(), args);
   }
   return channel;
 }

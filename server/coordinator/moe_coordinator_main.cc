@@ -11,6 +11,7 @@
 #include "absl/flags/usage.h"
 #include "absl/time/time.h"
 #include "glog/logging.h"
+#include "server/common/security_flags.h"
 #include "server/coordinator/coordinator_server.h"
 #include "server/coordinator/observability.h"
 
@@ -25,18 +26,19 @@ ABSL_FLAG(double, load_window_seconds, 60,
 ABSL_FLAG(int, rebalance_interval_seconds, 0,
           "Periodic EPLB policy: rebalance this often from the load window; 0 turns it off.");
 ABSL_FLAG(double, rebalance_min_gain, 0.05,
-          "Periodic policy: re-place a layer only when its predicted balancedness gains this much.");
+          "Periodic policy: re-place a layer only when its balancedness gains this much.");
 ABSL_FLAG(int, switch_drain_ms, 2000,
           "After a placement switch commits, shards keep accepting the old map version this long.");
 ABSL_FLAG(int, switch_timeout_seconds, 60,
           "A placement switch whose shards are not all ready by then is abandoned.");
-ABSL_FLAG(int, eplb_nodes, 1, "Hierarchical EPLB: nodes (ranks are node-major); 1 = global policy.");
+ABSL_FLAG(int, eplb_nodes, 1,
+          "Hierarchical EPLB: nodes (ranks are node-major); 1 = global policy.");
 ABSL_FLAG(int, eplb_groups, 1, "Hierarchical EPLB: expert groups (consecutive expert ids).");
 ABSL_FLAG(bool, restore_after_failure, true,
           "Move a removed shard's slots to the survivors at once; off, its experts without another "
           "replica stay unavailable until a rebalance or drain moves them.");
 ABSL_FLAG(bool, health_checks, true,
-          "Health-check the shards every heartbeat interval; remove one that fails twice in a row.");
+          "Health-check the shards every heartbeat interval and remove failing ones.");
 ABSL_FLAG(int, max_connection_age_seconds, 300,
           "Close each client connection (GOAWAY) after this long so that clients re-resolve the "
           "address and see new pods; 0 keeps connections forever.");
@@ -115,7 +117,17 @@ int main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
-  const moe::CoordinatorOptions options = OptionsFromFlags();
+  moe::CoordinatorOptions options = OptionsFromFlags();
+  // TLS/mTLS and tokens for the server and for the coordinator's calls to shards.
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      moe::ServerCredentialsFromFlags();
+  absl::Status client_security = moe::InstallClientSecurityFromFlags();
+  if (!credentials.ok() || !client_security.ok()) {
+    const absl::Status& bad = credentials.ok() ? client_security : credentials.status();
+    std::fprintf(stderr, "moe_coordinator: %s\n", bad.ToString().c_str());
+    return 2;
+  }
+  options.credentials = *std::move(credentials);
   auto server = moe::CoordinatorServer::Start(options);
   if (!server.ok()) {
     std::fprintf(stderr, "moe_coordinator: %s\n", server.status().ToString().c_str());

@@ -83,13 +83,11 @@ TEST(VacateRankTest, ReplicatedExpertsLeaveOrphansStay) {
                                     1, 2, 0, 1, 0, 3};
   const std::vector<uint32_t> slot_to_rank = {0, 0, 1, 1, 2, 2};
   const std::vector<bool> serving = {true, false, false};  // rank 1 failed, rank 2 too
-  EXPECT_THAT(VacateRank(p2l, slot_to_rank, 1, serving),
-              ElementsAre(0, 2, -1, 3, 1, 0,  //
-                          1, 2, 0, -1, 0, 3));
+  EXPECT_THAT(VacateRank(p2l, slot_to_rank, 1, serving), ElementsAre(0, 2, -1, 3, 1, 0,  //
+                                                                     1, 2, 0, -1, 0, 3));
   const std::vector<bool> rank2_serving = {true, false, true};
-  EXPECT_THAT(VacateRank(p2l, slot_to_rank, 1, rank2_serving),
-              ElementsAre(0, 2, -1, 3, 1, 0,  //
-                          1, 2, -1, -1, 0, 3));
+  EXPECT_THAT(VacateRank(p2l, slot_to_rank, 1, rank2_serving), ElementsAre(0, 2, -1, 3, 1, 0,  //
+                                                                           1, 2, -1, -1, 0, 3));
 }
 
 TEST(BalanceSlotLayoutTest, MovesSlotsOffIneligibleRanksEvenly) {

@@ -10,6 +10,7 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/security/credentials.h"
+#include "server/common/tls.h"
 
 namespace moe {
 namespace {
@@ -18,10 +19,11 @@ constexpr char kHealthCheckMethod[] = "/grpc.health.v1.Health/Check";
 // HealthCheckResponse.status (field 1, varint): SERVING = 1.
 constexpr uint8_t kStatusFieldTag = 0x08;
 constexpr uint8_t kServing = 1;
-// Timed-out rounds in a row before a shard is removed (a busy machine answers late). An
-// unreachable or NOT_SERVING answer is confirmed by one immediate second check instead: a single
-// failure can be a connection recycled by its maximum age.
-constexpr int kTimeoutsToRemove = 3;
+// Rounds in a row that a shard must time out (a busy machine answers late) or answer NOT_SERVING
+// (it may be between loading its weights and flipping its health status) before it is removed.
+// An unreachable shard is confirmed by one immediate second check instead: a single failure can be
+// a connection recycled by its maximum age.
+constexpr int kStrikesToRemove = 3;
 
 struct PendingProbe {
   grpc::ClientContext context;
@@ -64,8 +66,9 @@ ProbeResult Classify(const ShardTarget& target, const PendingProbe& probe) {
 
 std::shared_ptr<grpc::Channel> HealthProber::ChannelFor(const std::string& address) {
   std::shared_ptr<grpc::Channel>& channel = channels_[address];
-  if (channel == nullptr)
-    channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  if (channel == nullptr) {
+    channel = CreateSecureChannel(address, DefaultChannelSecurity(), grpc::ChannelArguments());
+  }
   return channel;
 }
 
@@ -130,27 +133,20 @@ void Supervisor::Loop() {
 void Supervisor::Probe() {
   std::vector<ShardTarget> targets = state_->ProbeTargets();
   if (targets.empty()) return;
-  std::vector<ProbeResult> first = prober_.ProbeAll(targets);
-  // An unreachable or not-serving shard is asked once more right away before it is removed.
   std::vector<ShardTarget> again;
-  for (const ProbeResult& r : first) {
-    if (r.outcome == ProbeOutcome::kUnreachable || r.outcome == ProbeOutcome::kNotServing) {
+  for (const ProbeResult& r : prober_.ProbeAll(targets)) {
+    if (r.outcome == ProbeOutcome::kUnreachable) {
       again.push_back(r.target);
+    } else if (r.outcome == ProbeOutcome::kServing) {
+      strikes_.erase(r.target.shard_id);
+    } else if (++strikes_[r.target.shard_id] >= kStrikesToRemove) {
+      (void)state_->ReportUnhealthy(r.target.shard_id, r.detail);
     }
   }
-  std::vector<ProbeResult> second =
-      again.empty() ? std::vector<ProbeResult>() : prober_.ProbeAll(again);
-  for (const ProbeResult& r : first) {
-    if (r.outcome == ProbeOutcome::kTimedOut) {
-      if (++timeouts_[r.target.shard_id] >= kTimeoutsToRemove) {
-        (void)state_->ReportUnhealthy(r.target.shard_id, r.detail);
-      }
-      continue;
-    }
-    timeouts_.erase(r.target.shard_id);
-  }
-  for (const ProbeResult& r : second) {
-    if (r.outcome == ProbeOutcome::kUnreachable || r.outcome == ProbeOutcome::kNotServing) {
+  if (again.empty()) return;
+  // An unreachable shard is asked once more right away before it is removed.
+  for (const ProbeResult& r : prober_.ProbeAll(again)) {
+    if (r.outcome == ProbeOutcome::kUnreachable) {
       (void)state_->ReportUnhealthy(r.target.shard_id, r.detail);
     }
   }

@@ -1,9 +1,9 @@
 // Supervisor: the coordinator's background upkeep thread. Several times per heartbeat interval it
 // calls ClusterState::Tick (missed heartbeats, switch commits and timeouts, drain periods,
 // balancedness samples); once per interval it health-checks the serving shards through the
-// standard grpc.health.v1.Health/Check and removes a shard that is unreachable or NOT_SERVING
-// twice in a row, or that times out three rounds in a row; with a rebalance interval set it runs
-// the periodic EPLB policy (a Rebalance with the configured minimum gain).
+// standard grpc.health.v1.Health/Check and removes a shard that is unreachable twice in a row, or
+// that times out or answers NOT_SERVING three rounds in a row; with a rebalance interval set it
+// runs the periodic EPLB policy (a Rebalance with the configured minimum gain).
 //
 // Created and stopped by CoordinatorServer. Thread-safety: Start and Stop from one thread; the
 // loop runs on its own thread. Ownership: borrows the ClusterState; owns its thread and channels.
@@ -75,8 +75,9 @@ class Supervisor {
 
   ClusterState* const state_;
   const SupervisorOptions options_;
-  HealthProber prober_;                             // used by the loop thread only
-  absl::flat_hash_map<std::string, int> timeouts_;  // consecutive timed-out rounds, by shard id
+  HealthProber prober_;  // used by the loop thread only
+  // Consecutive rounds timed out or NOT_SERVING, by shard id.
+  absl::flat_hash_map<std::string, int> strikes_;
   absl::Time next_probe_;
   absl::Time next_rebalance_;
   absl::Notification stop_;

@@ -32,6 +32,7 @@ ExecutorStats Minus(const ExecutorStats& a, const ExecutorStats& b) {
   d.max_batch_tokens = a.max_batch_tokens;
   d.errors = a.errors - b.errors;
   d.compute_seconds = a.compute_seconds - b.compute_seconds;
+  d.expired = a.expired - b.expired;
   return d;
 }
 
@@ -75,6 +76,21 @@ std::vector<Executor::Pending*> Executor::TakeBatch() {
   return batch;
 }
 
+void Executor::DropExpired(std::vector<Pending*>& batch) {
+  const absl::Time now = absl::Now();
+  std::vector<Pending*> live;
+  for (Pending* p : batch) {
+    if (p->item->deadline < now) {
+      p->status = absl::DeadlineExceededError("deadline passed before the request could run");
+      p->done = true;
+      ++stats_.expired;
+    } else {
+      live.push_back(p);
+    }
+  }
+  batch.swap(live);
+}
+
 void Executor::WorkerLoop() {
   absl::MutexLock lock(&mu_);
   while (true) {
@@ -91,6 +107,8 @@ void Executor::WorkerLoop() {
           options_.max_batch_wait);
     }
     std::vector<Pending*> batch = TakeBatch();
+    DropExpired(batch);
+    if (batch.empty()) continue;
     mu_.Unlock();
     const absl::Time start = absl::Now();
     absl::Status status = RunBatch(batch);

@@ -41,6 +41,9 @@ struct ExecutorStats {
   uint64_t max_batch_tokens = 0;
   uint64_t errors = 0;
   double compute_seconds = 0;
+  // Requests whose deadline had passed when their batch was formed: answered DEADLINE_EXCEEDED
+  // and not run (not counted in requests/tokens/batches).
+  uint64_t expired = 0;
 };
 
 // One caller's staged work: F32 hidden [T, H], I32 local ids [T, K], F32 weights [T, K], optional
@@ -53,6 +56,8 @@ struct WorkItem {
   TensorView topk_weights;
   TensorView shared_mask;
   TensorView out;
+  // The caller's deadline (the gRPC call's): the item is dropped, not run, once it has passed.
+  absl::Time deadline = absl::InfiniteFuture();
 };
 
 class Executor {
@@ -81,6 +86,8 @@ class Executor {
   void WorkerLoop();
   // Pops the front request and every queued request that can share its batch.
   std::vector<Pending*> TakeBatch() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Answers the items of `batch` whose deadline has passed and removes them from it.
+  void DropExpired(std::vector<Pending*>& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status RunBatch(const std::vector<Pending*>& batch);
 
   ExpertBackend* const backend_;

@@ -101,5 +101,40 @@ TEST(ExecutorTest, TokenBudgetSplitsBatches) {
   EXPECT_EQ(executor.stats().merged_batches, 0u);
 }
 
+// A request whose deadline has passed when its batch is formed is answered DEADLINE_EXCEEDED and
+// never reaches the backend; one queued beside it with time left still runs.
+TEST(ExecutorTest, DropsExpiredRequestsWhenTheirBatchIsFormed) {
+  FakeBackend backend;
+  ExpertLayer layer;
+  Executor executor(&backend, ExecutorOptions{.max_batch_tokens = 100});
+  Item first(1, 2, 0.f, &layer, 0);
+  std::thread t0([&] { EXPECT_TRUE(executor.Run(first.work).ok()); });
+  backend.started.WaitForNotification();  // the worker is busy with `first`
+  Item expired(3, 2, 10.f, &layer, 0), live(2, 2, 20.f, &layer, 0);
+  expired.work.deadline = absl::Now() - absl::Milliseconds(1);
+  live.work.deadline = absl::Now() + absl::Hours(1);
+  absl::Status expired_status, live_status;
+  std::thread t1([&] { expired_status = executor.Run(expired.work); });
+  std::thread t2([&] { live_status = executor.Run(live.work); });
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (executor.queued_requests() < 2 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_EQ(executor.queued_requests(), 2u);
+  backend.release.Notify();
+  t0.join();
+  t1.join();
+  t2.join();
+  EXPECT_EQ(expired_status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(live_status.ok()) << live_status;
+  // Only `first` (1 token) and `live` (2 tokens) ran, in two batches.
+  EXPECT_EQ(backend.batches, (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(live.out.data<float>()[0], 20.f * 2 + 2);
+  const ExecutorStats stats = executor.stats();
+  EXPECT_EQ(stats.requests, 2u);
+  EXPECT_EQ(stats.tokens, 3u);
+  EXPECT_EQ(stats.expired, 1u);
+}
+
 }  // namespace
 }  // namespace moe

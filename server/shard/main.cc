@@ -19,9 +19,14 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/backend.h"
+#include "server/common/large_buffers.h"
+#include "server/common/security_flags.h"
+#include "server/shard/admission.h"
 #include "server/shard/coordinator_link.h"
 #include "server/shard/model_source.h"
+#include "server/shard/raw_forward.h"
 #include "server/shard/service.h"
+#include "server/shard/shm_forward.h"
 #include "server/shard/shard_metrics.h"
 
 ABSL_FLAG(std::string, model, "", "checkpoint directory: config.json + safetensors (required)");
@@ -41,11 +46,20 @@ ABSL_FLAG(int, register_wait_seconds, 60, "how long to keep trying to reach the 
 ABSL_FLAG(int, metrics_port, 0,
           "Prometheus /metrics HTTP port: 0 picks a free one (logged; see --metrics_port_file), "
           "-1 turns metrics off");
+ABSL_FLAG(bool, shared_memory, false,
+          "serve moe.v1.SharedMemoryShard (same-host frontends register POSIX shm regions; the "
+          "shard maps any object a caller names, so enable it only for trusted local callers)");
 ABSL_FLAG(std::string, metrics_port_file, "", "write the bound metrics port to this file");
 ABSL_FLAG(std::string, http_host, "127.0.0.1", "address the metrics HTTP endpoint listens on");
 ABSL_FLAG(int, max_connection_age_seconds, 300,
           "close each client connection (GOAWAY) after this long so that clients re-resolve and "
           "see new pods behind a DNS name; 0 keeps connections forever");
+ABSL_FLAG(int, max_inflight_per_client, 0,
+          "Forward requests one client (token name, else peer address) may have in flight; more "
+          "get RESOURCE_EXHAUSTED (0: unlimited)");
+ABSL_FLAG(int, max_inflight_total, 0,
+          "Forward requests in flight (queued or running) in total; more get RESOURCE_EXHAUSTED "
+          "(0: unlimited)");
 
 namespace moe {
 namespace {
@@ -56,6 +70,7 @@ struct ShardOptions {
   int max_connection_age_seconds = 300;
   ExecutorOptions executor;
   HttpEndpointOptions metrics;
+  AdmissionOptions admission;
 };
 
 ShardOptions OptionsFromFlags() {
@@ -70,6 +85,8 @@ ShardOptions OptionsFromFlags() {
   o.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
   o.register_wait_seconds = absl::GetFlag(FLAGS_register_wait_seconds);
   o.max_connection_age_seconds = absl::GetFlag(FLAGS_max_connection_age_seconds);
+  o.admission.max_inflight_per_client = absl::GetFlag(FLAGS_max_inflight_per_client);
+  o.admission.max_inflight_total = absl::GetFlag(FLAGS_max_inflight_total);
   o.executor.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   o.executor.max_batch_wait = absl::Microseconds(absl::GetFlag(FLAGS_max_batch_wait_us));
   o.metrics = {absl::GetFlag(FLAGS_http_host), absl::GetFlag(FLAGS_metrics_port),
@@ -118,6 +135,19 @@ int Run(const ShardOptions& o) {
     executor_options.observer = metrics.get();
   }
   ExpertShardService service(source->get(), backend->get(), executor_options);
+  AdmissionController admission(o.admission);
+  service.set_admission(&admission);
+  // TLS/mTLS and tokens for this server and for the link to the coordinator.
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      ServerCredentialsFromFlags();
+  if (!credentials.ok()) {
+    LOG(ERROR) << credentials.status();
+    return 2;
+  }
+  if (absl::Status s = InstallClientSecurityFromFlags(); !s.ok()) {
+    LOG(ERROR) << s;
+    return 2;
+  }
   std::unique_ptr<MetricsEndpoint> metrics_endpoint;
   if (metrics != nullptr) {
     absl::StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint = metrics->Serve(o.metrics, &service);
@@ -131,8 +161,7 @@ int Run(const ShardOptions& o) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(absl::StrCat(o.host, ":", o.port), grpc::InsecureServerCredentials(),
-                           &port);
+  builder.AddListeningPort(absl::StrCat(o.host, ":", o.port), *credentials, &port);
   builder.SetMaxReceiveMessageSize(256 << 20);
   builder.SetMaxSendMessageSize(256 << 20);
   if (o.max_connection_age_seconds > 0) {
@@ -141,6 +170,11 @@ int Run(const ShardOptions& o) {
                                std::min(o.max_connection_age_seconds, INT_MAX / 1000) * 1000);
   }
   builder.RegisterService(&service);
+  // ForwardRaw (server/common/raw_frame.h): the same Forward without protobuf copies of tensors.
+  RawForwardService raw_forward(&service);
+  builder.RegisterService(&raw_forward);
+  ShmForwardService shm_forward(&service);
+  if (absl::GetFlag(FLAGS_shared_memory)) builder.RegisterService(&shm_forward);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {
     LOG(ERROR) << "cannot listen on " << o.host << ":" << o.port;
@@ -227,6 +261,8 @@ int main(int argc, char** argv) {
       "Serves the expert layers of an MoE model for the slots the coordinator assigns (or every\n"
       "expert when run without a coordinator).");
   absl::ParseCommandLine(argc, argv);
+  // Per-request tensors are megabytes: keep them in the heap instead of fresh mmaps.
+  moe::TuneAllocatorForLargeBuffers();
   FLAGS_logtostderr = true;
   google::InitGoogleLogging(argv[0]);
   return moe::Run(moe::OptionsFromFlags());

@@ -52,7 +52,9 @@ absl::StatusOr<std::shared_ptr<const ShardPlacement>> ShardPlacement::FromCluste
     if (map.slot_to_rank(s) != rank) continue;
     // A slot vacant in every layer (its shard was removed) holds nothing to load.
     bool vacant = true;
-    for (const LayerPlacement& layer : p->layers_) vacant = vacant && layer.physical_to_logical()[s] < 0;
+    for (const LayerPlacement& layer : p->layers_) {
+      vacant = vacant && layer.physical_to_logical()[s] < 0;
+    }
     if (!vacant) slots.push_back(s);
   }
   p->SetHosted(std::move(slots));

@@ -34,13 +34,13 @@ grpc::Status RawForwardService::ForwardRaw(grpc::ServerContext*, const grpc::Byt
 
 absl::Status RawForwardService::Serve(const grpc::ByteBuffer& frame, grpc::ByteBuffer* out) {
   v1::ForwardRequest request;
-  auto payload = std::make_unique<std::string>();
-  if (absl::Status s = DecodeRawFrame(frame, &request, payload.get()); !s.ok()) return s;
+  std::string payload;
+  if (absl::Status s = DecodeRawFrame(frame, &request, &payload); !s.ok()) return s;
   if (!request.hidden_states().data().data().empty()) {
     return absl::InvalidArgumentError(
         "hidden_states.data.data: must be empty in a ForwardRaw header (the payload follows it)");
   }
-  request.mutable_hidden_states()->mutable_data()->set_data(std::move(*payload));
+  request.mutable_hidden_states()->mutable_data()->set_data(std::move(payload));
   v1::ForwardResponse response;
   if (absl::Status s = shard_->ServeForward(request, &response); !s.ok()) return s;
   // The output string moves to the heap and the response slice owns it from here.

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 #include "kernels/formats.h"
+#include "server/common/auth.h"
 #include "server/common/status.h"
 #include "server/common/wire.h"
 #include "server/shard/request.h"
@@ -45,8 +46,7 @@ void ExpertShardService::set_identity(ShardIdentity identity) {
   identity_ = std::move(identity);
 }
 
-absl::StatusOr<LayerWeights> ExpertShardService::LayerFor(const ShardPlacement& placement,
-                                                          int l) {
+absl::StatusOr<LayerWeights> ExpertShardService::LayerFor(const ShardPlacement& placement, int l) {
   std::vector<int32_t> local_to_logical;
   for (size_t j = 0; j < placement.hosted_slots().size(); ++j) {
     // A slot vacant in this layer (but not in all) is never routed: any expert can fill it.
@@ -125,13 +125,12 @@ absl::StatusOr<std::shared_ptr<const ExpertShardService::Snapshot>> ExpertShardS
   if (map_version == 0) return snapshots_.rbegin()->second;
   auto it = snapshots_.find(map_version);
   if (it != snapshots_.end()) return it->second;
-  return absl::FailedPreconditionError(absl::StrCat("stale map version ", map_version,
-                                                    "; current map version is ",
-                                                    snapshots_.rbegin()->first));
+  return absl::FailedPreconditionError(absl::StrCat(
+      "stale map version ", map_version, "; current map version is ", snapshots_.rbegin()->first));
 }
 
 absl::Status ExpertShardService::DoForward(const v1::ForwardRequest& request,
-                                           v1::ForwardResponse* response) {
+                                           v1::ForwardResponse* response, absl::Time deadline) {
   if (draining_.load()) return absl::UnavailableError("shard is draining");
   const ServedModel& model = source_->model();
   if (!request.model_fingerprint().empty() && request.model_fingerprint() != model.fingerprint) {
@@ -154,6 +153,7 @@ absl::Status ExpertShardService::DoForward(const v1::ForwardRequest& request,
                 staged->weights.view(),
                 staged->shared_mask.NumElements() > 0 ? staged->shared_mask.view() : TensorView{},
                 out.view()};
+  item.deadline = deadline;
   // A shard hosting no slot has no route to compute: its output stays zero.
   if (staged->num_tokens > 0 && item.layer != nullptr) {
     if (absl::Status s = executor_.Run(item); !s.ok()) return s;
@@ -187,22 +187,33 @@ absl::Status ExpertShardService::ServeForward(const v1::ForwardRequest& request,
   return status;
 }
 
-grpc::Status ExpertShardService::Forward(grpc::ServerContext*, const v1::ForwardRequest* request,
+absl::StatusOr<AdmissionController::Ticket> ExpertShardService::Admit(
+    const grpc::ServerContext& ctx) {
+  if (admission_ == nullptr) return AdmissionController::Ticket();
+  return admission_->Admit(CallerIdentity(ctx));
+}
+
+grpc::Status ExpertShardService::Forward(grpc::ServerContext* ctx,
+                                         const v1::ForwardRequest* request,
                                          v1::ForwardResponse* response) {
+  absl::StatusOr<AdmissionController::Ticket> ticket = Admit(*ctx);
+  if (!ticket.ok()) return ToGrpcStatus(ticket.status());
   const absl::Time start = absl::Now();
-  const absl::Status status = DoForward(*request, response);
+  const absl::Status status = DoForward(*request, response, absl::FromChrono(ctx->deadline()));
   Observe(*request, *response, status, start);
   return ToGrpcStatus(status);
 }
 
 grpc::Status ExpertShardService::ForwardStream(
-    grpc::ServerContext*,
+    grpc::ServerContext* ctx,
     grpc::ServerReaderWriter<v1::ForwardResponse, v1::ForwardRequest>* stream) {
   v1::ForwardRequest request;
   while (stream->Read(&request)) {
     v1::ForwardResponse response;
+    absl::StatusOr<AdmissionController::Ticket> ticket = Admit(*ctx);
+    if (!ticket.ok()) return ToGrpcStatus(ticket.status());
     const absl::Time start = absl::Now();
-    const absl::Status s = DoForward(request, &response);
+    const absl::Status s = DoForward(request, &response, absl::FromChrono(ctx->deadline()));
     Observe(request, response, s, start);
     // A bad request ends the stream with its status; the shard itself keeps serving.
     if (!s.ok()) {
@@ -251,6 +262,8 @@ grpc::Status ExpertShardService::GetStats(grpc::ServerContext*, const v1::GetSta
   out->set_max_batch_tokens(s.max_batch_tokens);
   out->set_errors(s.errors);
   out->set_compute_seconds(s.compute_seconds);
+  out->set_expired(s.expired);
+  out->set_rejected(admission_ != nullptr ? admission_->stats().rejected : 0);
   return grpc::Status::OK;
 }
 

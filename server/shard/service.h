@@ -22,6 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "kernels/backend.h"
 #include "moe/v1/shard.grpc.pb.h"
+#include "server/shard/admission.h"
 #include "server/shard/executor.h"
 #include "server/shard/load_counter.h"
 #include "server/shard/placement.h"
@@ -39,6 +40,9 @@ class ExpertShardService final : public v1::ExpertShard::Service {
   ExpertShardService(WeightSource* source, ExpertBackend* backend, ExecutorOptions options);
 
   void set_identity(ShardIdentity identity) ABSL_LOCKS_EXCLUDED(mu_);
+  // Quotas of Forward/ForwardStream requests (admission.h); borrowed, null: none.
+  // REQUIRES: called before the service serves.
+  void set_admission(AdmissionController* admission) { admission_ = admission; }
 
   // Snapshots (map versions) a shard holds at most; activating one more frees the oldest.
   static constexpr size_t kMaxSnapshots = 4;
@@ -90,7 +94,11 @@ class ExpertShardService final : public v1::ExpertShard::Service {
   };
 
   v1::LoadDelta TakeLoadDelta() ABSL_EXCLUSIVE_LOCKS_REQUIRED(handoff_mu_);
-  absl::Status DoForward(const v1::ForwardRequest& request, v1::ForwardResponse* response);
+  // `deadline`: the call's; the executor drops the request unrun once it has passed.
+  absl::Status DoForward(const v1::ForwardRequest& request, v1::ForwardResponse* response,
+                         absl::Time deadline = absl::InfiniteFuture());
+  // An admission ticket for one request of the caller of `ctx` (always granted without quotas).
+  absl::StatusOr<AdmissionController::Ticket> Admit(const grpc::ServerContext& ctx);
   // Reports one finished Forward request to the observer, if any.
   void Observe(const v1::ForwardRequest& request, const v1::ForwardResponse& response,
                const absl::Status& status, absl::Time start) const;
@@ -105,6 +113,7 @@ class ExpertShardService final : public v1::ExpertShard::Service {
   ExpertBackend* const backend_;
   Executor executor_;
   ShardObserver* const observer_;  // from ExecutorOptions; may be null
+  AdmissionController* admission_ = nullptr;
   LoadCounter load_;
   std::atomic<bool> draining_{false};
   absl::Mutex activate_mu_;  // serializes Activate

@@ -1,0 +1,421 @@
+// rpc_bench: transport cost of a shard Forward (performance.md, transport section): the protobuf
+// `bytes` path, the raw-buffer ForwardRaw path and the same-host shared-memory path, against an
+// in-process shard on loopback.
+//
+// Compute is excluded: every route is -1 (no expert hosted for it), so the shard validates,
+// stages (BF16 -> F32), counts load and answers zeros without a GEMM; what is measured is
+// transport + staging. Sweep: payload 1 token .. 64 MiB of BF16 hidden states (H = --hidden),
+// 1 .. 64 concurrent clients (each with its own connection; clients * payload is capped by
+// --max_inflight_mib). Reported per case: p50/p99 latency and effective GB/s = (request payload
+// + response payload bytes) * calls / wall time. The ceiling, measured in the same run: raw TCP
+// loopback throughput of one connection pushing 64 MiB buffers.
+//
+// `bazel run -c opt //bench:rpc_bench` writes bench/results/rpc_bench_<date>.json.
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/mman.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/raw_forward.h"
+#include "moe/v1/shard.grpc.pb.h"
+#include "moe/v1/shm.grpc.pb.h"
+#include "nlohmann/json.hpp"
+#include "server/common/large_buffers.h"
+#include "server/model/generator.h"
+#include "server/shard/in_process_shard.h"
+
+ABSL_FLAG(std::string, out_json, "", "JSON output (default bench/results/rpc_bench_<date>.json)");
+ABSL_FLAG(int64_t, hidden, 2048, "hidden size H of the generated model (BF16: 2H bytes/token)");
+ABSL_FLAG(std::string, tokens, "1,16,256,1024,4096,16384", "tokens per request, comma-separated");
+ABSL_FLAG(std::string, clients, "1,4,16,64", "concurrent clients, comma-separated");
+ABSL_FLAG(std::string, modes, "proto,raw,shm",
+          "proto (Forward), raw (ForwardRaw), shm (SharedMemoryShard.Forward)");
+ABSL_FLAG(double, seconds, 1.0, "timed seconds per case (at least 3 calls per client)");
+ABSL_FLAG(int64_t, max_inflight_mib, 128, "skip cases where clients * payload exceeds this");
+ABSL_FLAG(std::string, backend, "cpu-reference", "shard backend (no expert runs either way)");
+ABSL_FLAG(bool, tune_allocator, true, "raise glibc's mmap threshold (as moe_shard does)");
+
+namespace moe {
+namespace {
+
+constexpr int64_t kTopK = 2;
+
+struct Case {
+  std::string mode;
+  int64_t tokens = 0;
+  int clients = 0;
+};
+
+struct CaseResult {
+  Case c;
+  int64_t payload_bytes = 0;   // request hidden states (= response output: BF16 [T, H] both)
+  int64_t calls = 0;
+  int64_t errors = 0;
+  std::string first_error;
+  double wall_s = 0, p50_us = 0, p99_us = 0, mean_us = 0, effective_gbps = 0;
+};
+
+// Header of a request of `t` tokens whose routes are all -1 (no compute), and its payload.
+v1::ForwardRequest MakeHeader(int64_t t, int64_t hidden, std::string* payload) {
+  v1::ForwardRequest req;
+  req.set_layer(0);
+  req.set_map_version(1);
+  req.set_output_dtype(v1::BF16);
+  v1::HiddenStates* hs = req.mutable_hidden_states();
+  hs->set_format(v1::ACTIVATION_BF16);
+  hs->mutable_data()->set_dtype(v1::BF16);
+  hs->mutable_data()->add_shape(t);
+  hs->mutable_data()->add_shape(hidden);
+  payload->assign(static_cast<size_t>(t * hidden * 2), '\0');
+  for (size_t i = 0; i < payload->size(); i += 2) (*payload)[i + 1] = 0x3f;  // BF16 ~0.5..1
+  const std::vector<int32_t> ids(t * kTopK, -1);
+  const std::vector<float> w(t * kTopK, 0.f);
+  v1::Tensor* ti = req.mutable_topk_ids();
+  ti->set_dtype(v1::I32);
+  ti->add_shape(t);
+  ti->add_shape(kTopK);
+  ti->set_data(std::string(reinterpret_cast<const char*>(ids.data()), ids.size() * 4));
+  v1::Tensor* tw = req.mutable_topk_weights();
+  tw->set_dtype(v1::F32);
+  tw->add_shape(t);
+  tw->add_shape(kTopK);
+  tw->set_data(std::string(reinterpret_cast<const char*>(w.data()), w.size() * 4));
+  return req;
+}
+
+std::shared_ptr<grpc::Channel> NewChannel(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(256 << 20);
+  args.SetMaxSendMessageSize(256 << 20);
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // one connection per client
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+}
+
+// One client: a call function bound to its channel and request.
+class Client {
+ public:
+  Client(const std::string& mode, const std::string& address, int64_t t, int64_t hidden)
+      : raw_(mode == "raw"), shm_(mode == "shm"), channel_(NewChannel(address)),
+        stub_(v1::ExpertShard::NewStub(channel_)),
+        shm_stub_(v1::SharedMemoryShard::NewStub(channel_)) {
+    header_ = MakeHeader(t, hidden, &payload_);
+    if (shm_) {
+      SetUpSharedMemory();
+    } else if (!raw_) {
+      full_ = header_;
+      full_.mutable_hidden_states()->mutable_data()->set_data(payload_);
+    }
+  }
+  ~Client() {
+    if (shm_base_ == nullptr) return;
+    munmap(shm_base_, 2 * payload_.size());
+    shm_unlink(shm_key_.c_str());
+    // The shard unmaps its side at exit; unregistering here would race nothing but costs a call.
+  }
+
+  // One call; OK only when the output has the expected size.
+  absl::Status Call() {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+    if (shm_) {
+      v1::ForwardResponse response;
+      grpc::Status s = shm_stub_->Forward(&ctx, shm_request_, &response);
+      if (!s.ok()) return absl::UnknownError(absl::StrCat(s.error_code(), ": ", s.error_message()));
+      return absl::OkStatus();
+    }
+    if (raw_) {
+      absl::StatusOr<RawForwardReply> r = ForwardRaw(channel_.get(), &ctx, header_, payload_);
+      if (!r.ok()) return r.status();
+      return CheckSize(r->output.size());
+    }
+    v1::ForwardResponse response;
+    grpc::Status s = stub_->Forward(&ctx, full_, &response);
+    if (!s.ok()) return absl::UnknownError(absl::StrCat(s.error_code(), ": ", s.error_message()));
+    return CheckSize(response.output().data().size());
+  }
+
+ private:
+  absl::Status CheckSize(size_t n) const {
+    if (n == payload_.size()) return absl::OkStatus();
+    return absl::InternalError(absl::StrCat("output of ", n, " bytes, expected ", payload_.size()));
+  }
+
+  // A region of [hidden | output] holding this client's payload, registered with the shard.
+  void SetUpSharedMemory() {
+    static std::atomic<int> next{0};
+    const int n = next.fetch_add(1);
+    shm_key_ = absl::StrCat("/rpc_bench_", getpid(), "_", n);
+    const size_t bytes = 2 * payload_.size();
+    const int fd = shm_open(shm_key_.c_str(), O_CREAT | O_RDWR | O_TRUNC, 0600);
+    if (fd < 0 || ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      std::perror("rpc_bench: shm_open");
+      std::exit(1);
+    }
+    shm_base_ = static_cast<char*>(
+        mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    close(fd);
+    std::memcpy(shm_base_, payload_.data(), payload_.size());
+    v1::RegisterSharedMemoryRequest reg;
+    reg.set_region_id(shm_key_);
+    reg.set_shm_key(shm_key_);
+    reg.set_byte_size(bytes);
+    v1::RegisterSharedMemoryResponse ignored;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    if (grpc::Status s = shm_stub_->RegisterSharedMemory(&ctx, reg, &ignored); !s.ok()) {
+      std::fprintf(stderr, "rpc_bench: register: %s\n", s.error_message().c_str());
+      std::exit(1);
+    }
+    *shm_request_.mutable_request() = header_;
+    for (auto [ref, offset] : {std::pair{shm_request_.mutable_hidden_states(), size_t{0}},
+                               std::pair{shm_request_.mutable_output(), payload_.size()}}) {
+      ref->set_region_id(shm_key_);
+      ref->set_offset(offset);
+      ref->set_length(payload_.size());
+    }
+  }
+
+  const bool raw_, shm_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::ExpertShard::Stub> stub_;
+  std::unique_ptr<v1::SharedMemoryShard::Stub> shm_stub_;
+  v1::ShmForwardRequest shm_request_;
+  std::string shm_key_;
+  char* shm_base_ = nullptr;
+  v1::ForwardRequest header_, full_;
+  std::string payload_;
+};
+
+double Percentile(std::vector<double>& v, double q) {
+  if (v.empty()) return 0;
+  const size_t i = std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5));
+  std::nth_element(v.begin(), v.begin() + i, v.end());
+  return v[i];
+}
+
+CaseResult RunCase(const Case& c, const std::string& address, int64_t hidden, double seconds) {
+  CaseResult r;
+  r.c = c;
+  r.payload_bytes = c.tokens * hidden * 2;
+  std::vector<std::unique_ptr<Client>> clients;
+  for (int i = 0; i < c.clients; ++i) {
+    clients.push_back(std::make_unique<Client>(c.mode, address, c.tokens, hidden));
+  }
+  absl::Mutex mu;
+  std::vector<double> latencies_us;
+  std::atomic<int> warm{0};
+  absl::Notification go;
+  absl::Time start, end;
+  std::vector<std::thread> threads;
+  for (int i = 0; i < c.clients; ++i) {
+    threads.emplace_back([&, i] {
+      Client& client = *clients[i];
+      (void)client.Call();  // connect and warm up outside the timed window
+      warm.fetch_add(1);
+      go.WaitForNotification();
+      std::vector<double> mine;
+      int64_t errors = 0;
+      std::string first_error;
+      const absl::Time stop = start + absl::Seconds(seconds);
+      while (mine.size() + errors < 3 || absl::Now() < stop) {
+        const absl::Time t0 = absl::Now();
+        absl::Status s = client.Call();
+        const absl::Time t1 = absl::Now();
+        if (s.ok()) {
+          mine.push_back(absl::ToDoubleMicroseconds(t1 - t0));
+        } else if (errors++ == 0) {
+          first_error = s.ToString();
+        }
+      }
+      absl::MutexLock lock(&mu);
+      latencies_us.insert(latencies_us.end(), mine.begin(), mine.end());
+      r.errors += errors;
+      if (r.first_error.empty()) r.first_error = first_error;
+      end = std::max(end, absl::Now());
+    });
+  }
+  while (warm.load() < c.clients) absl::SleepFor(absl::Milliseconds(1));
+  start = absl::Now();
+  end = start;
+  go.Notify();
+  for (std::thread& t : threads) t.join();
+  r.calls = static_cast<int64_t>(latencies_us.size());
+  r.wall_s = absl::ToDoubleSeconds(end - start);
+  double sum = 0;
+  for (double v : latencies_us) sum += v;
+  r.mean_us = r.calls > 0 ? sum / r.calls : 0;
+  r.p50_us = Percentile(latencies_us, 0.5);
+  r.p99_us = Percentile(latencies_us, 0.99);
+  r.effective_gbps = r.wall_s > 0 ? 2.0 * r.payload_bytes * r.calls / r.wall_s / 1e9 : 0;
+  return r;
+}
+
+// Raw TCP loopback: one connection, a writer pushing `buffer_bytes` buffers `rounds` times and a
+// reader draining them; GB/s of payload moved (one direction), the transport ceiling.
+double TcpLoopbackGbps(int64_t buffer_bytes, int rounds) {
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (listener < 0 || bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      listen(listener, 1) != 0 ||
+      getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    std::perror("rpc_bench: tcp listener");
+    return 0;
+  }
+  const int64_t total = buffer_bytes * rounds;
+  std::thread reader([listener, total] {
+    const int fd = accept(listener, nullptr, nullptr);
+    std::vector<char> buf(4 << 20);
+    int64_t got = 0;
+    while (got < total) {
+      const ssize_t n = read(fd, buf.data(), buf.size());
+      if (n <= 0) break;
+      got += n;
+    }
+    close(fd);
+  });
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    std::perror("rpc_bench: tcp connect");
+  }
+  const std::vector<char> buffer(buffer_bytes, 1);
+  const absl::Time t0 = absl::Now();
+  for (int i = 0; i < rounds; ++i) {
+    int64_t sent = 0;
+    while (sent < buffer_bytes) {
+      const ssize_t n = write(fd, buffer.data() + sent, buffer_bytes - sent);
+      if (n <= 0) break;
+      sent += n;
+    }
+  }
+  reader.join();  // the reader has everything: the time is end to end
+  const double s = absl::ToDoubleSeconds(absl::Now() - t0);
+  close(fd);
+  close(listener);
+  return static_cast<double>(total) / s / 1e9;
+}
+
+std::vector<int64_t> ParseList(const std::string& flag) {
+  std::vector<int64_t> out;
+  for (absl::string_view p : absl::StrSplit(flag, ',', absl::SkipEmpty())) {
+    out.push_back(std::strtoll(std::string(p).c_str(), nullptr, 10));
+  }
+  return out;
+}
+
+std::string Today() {
+  char date[16];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof(date), "%Y%m%d", std::gmtime(&now));
+  return date;
+}
+
+nlohmann::json ToJson(const CaseResult& r) {
+  return {{"mode", r.c.mode},          {"tokens", r.c.tokens},
+          {"clients", r.c.clients},    {"payload_bytes", r.payload_bytes},
+          {"calls", r.calls},          {"errors", r.errors},
+          {"first_error", r.first_error}, {"wall_s", r.wall_s},
+          {"p50_us", r.p50_us},        {"p99_us", r.p99_us},
+          {"mean_us", r.mean_us},      {"effective_gbps", r.effective_gbps}};
+}
+
+int Main() {
+  const bool tuned = absl::GetFlag(FLAGS_tune_allocator) && TuneAllocatorForLargeBuffers();
+  const int64_t hidden = absl::GetFlag(FLAGS_hidden);
+  char dir_template[] = "/tmp/rpc_bench_XXXXXX";
+  const char* dir = mkdtemp(dir_template);
+  model::GenerateOptions gen;
+  gen.layers = 1;
+  gen.hidden = hidden;
+  if (dir == nullptr || !model::GenerateModel(gen, dir).ok()) {
+    std::fprintf(stderr, "rpc_bench: cannot generate the model\n");
+    return 1;
+  }
+  InProcessShardOptions options;
+  options.model_dir = dir;
+  options.backend = absl::GetFlag(FLAGS_backend);
+  options.max_batch_tokens = 1 << 20;
+  absl::StatusOr<std::unique_ptr<InProcessShard>> shard = InProcessShard::Start(options);
+  if (!shard.ok()) {
+    std::fprintf(stderr, "rpc_bench: %s\n", shard.status().ToString().c_str());
+    return 1;
+  }
+  const double tcp_gbps = TcpLoopbackGbps(64 << 20, 16);
+  std::printf("raw TCP loopback (64 MiB buffers): %.2f GB/s\n", tcp_gbps);
+  std::printf("%-6s %8s %10s %7s %7s %6s %10s %10s %8s\n", "mode", "tokens", "payload", "clients",
+              "calls", "errors", "p50_us", "p99_us", "GB/s");
+  nlohmann::json cases = nlohmann::json::array();
+  const int64_t cap = absl::GetFlag(FLAGS_max_inflight_mib) << 20;
+  for (int64_t t : ParseList(absl::GetFlag(FLAGS_tokens))) {
+    for (int64_t n : ParseList(absl::GetFlag(FLAGS_clients))) {
+      if (n > 1 && n * t * hidden * 2 > cap) continue;
+      for (absl::string_view mode : absl::StrSplit(absl::GetFlag(FLAGS_modes), ',')) {
+        const CaseResult r = RunCase({std::string(mode), t, static_cast<int>(n)},
+                                     (*shard)->address(), hidden, absl::GetFlag(FLAGS_seconds));
+        std::printf("%-6s %8lld %10lld %7d %7lld %6lld %10.1f %10.1f %8.3f %s\n",
+                    r.c.mode.c_str(), static_cast<long long>(t),
+                    static_cast<long long>(r.payload_bytes), r.c.clients,
+                    static_cast<long long>(r.calls), static_cast<long long>(r.errors), r.p50_us,
+                    r.p99_us, r.effective_gbps, r.first_error.c_str());
+        std::fflush(stdout);
+        cases.push_back(ToJson(r));
+      }
+    }
+  }
+  const nlohmann::json out = {
+      {"bench", "rpc_bench"},
+      {"date", Today()},
+      {"hidden", hidden},
+      {"cpus", std::thread::hardware_concurrency()},
+      {"backend", options.backend},
+      {"allocator_tuned", tuned},
+      {"note", "routes all -1: transport + staging, no expert compute; effective_gbps = 2 * "
+               "payload_bytes * calls / wall_s (request + response payloads)"},
+      {"tcp_loopback_gbps", tcp_gbps},
+      {"cases", cases}};
+  std::string path = absl::GetFlag(FLAGS_out_json);
+  if (path.empty()) {
+    const char* workspace = std::getenv("BUILD_WORKSPACE_DIRECTORY");
+    path = absl::StrCat(workspace != nullptr ? workspace : ".", "/bench/results/rpc_bench_",
+                        Today(), ".json");
+  }
+  std::ofstream(path) << out.dump(2) << "\n";
+  std::printf("wrote %s\n", path.c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace moe
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "rpc_bench [--tokens 1,16,...] [--clients 1,4,...] [--modes proto,raw]\n"
+      "Forward transport benchmark (protobuf vs raw-buffer) against an in-process shard.");
+  absl::ParseCommandLine(argc, argv);
+  return moe::Main();
+}

@@ -1,0 +1,245 @@
+// Benchmark of the fused GPU staging kernel (kernels/cuda/staging_runner.h): BF16 hidden states
+// -> MXFP8 or NVFP4 per token, with EPLB remap (E=256 logical experts on 288 slots, top-8) and
+// load recording in the same launch. performance.md targets: at 4096 x 7168 >= 80% of the
+// device-to-device copy bandwidth (bytes read + written), and <= 8 us at 1-64 tokens.
+//
+// Throughput: a CUDA graph of one launch per input set (4 sets of 58.7 MB, so L2 (60 MB) cannot
+// hold the input), per-launch time = replay / 4, median of 50 replays. Latency: a graph of one
+// launch, replay timed with events, median of 200 (what a serving step pays for the launch
+// inside its own graph is less: the graph launch overhead is shared), plus back-to-back per-launch
+// time from a graph of 32 launches. Writes JSON.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/status/status.h"
+#include "kernels/cuda/expert_runner.h"
+#include "kernels/cuda/staging_runner.h"
+#include "kernels/eplb.h"
+#include "kernels/formats.h"
+#include "nlohmann/json.hpp"
+
+ABSL_FLAG(std::string, out_json, "", "where to write the JSON results");
+ABSL_FLAG(std::string, commit, "unknown", "commit the binary was built from");
+
+namespace moe::bench {
+namespace {
+
+using cuda::DeviceBuffer;
+using cuda::StagingFormat;
+using cuda::StagingParams;
+
+#define CHECK_OK(expr)                                                                 \
+  do {                                                                                 \
+    const absl::Status _s = (expr);                                                    \
+    if (!_s.ok()) {                                                                    \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, _s.ToString().c_str());  \
+      std::exit(1);                                                                    \
+    }                                                                                  \
+  } while (0)
+#define CUDA_OK(expr) CHECK_OK(cuda::CudaStatus((expr), #expr))
+
+constexpr int kExperts = 256;
+constexpr int kSlots = 288;
+constexpr int kTopK = 8;
+constexpr int64_t kHidden = 7168;
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Device-to-device copy of 1 GiB: bytes read + written per second, median of 20.
+double CopyBandwidth(cudaStream_t stream) {
+  const size_t bytes = size_t{1} << 30;
+  DeviceBuffer a, b;
+  CHECK_OK(a.Reserve(bytes));
+  CHECK_OK(b.Reserve(bytes));
+  CUDA_OK(cudaMemsetAsync(a.get(), 1, bytes, stream));
+  cudaEvent_t start, stop;
+  CUDA_OK(cudaEventCreate(&start));
+  CUDA_OK(cudaEventCreate(&stop));
+  std::vector<double> rates;
+  for (int i = 0; i < 23; ++i) {
+    CUDA_OK(cudaEventRecord(start, stream));
+    CUDA_OK(cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice, stream));
+    CUDA_OK(cudaEventRecord(stop, stream));
+    CUDA_OK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
+    if (i >= 3) rates.push_back(2.0 * bytes / (ms * 1e-3));
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return Median(rates);
+}
+
+// One input set with its outputs.
+struct StagingSet {
+  DeviceBuffer x, q, scales, token_scale, ids, phys;
+  StagingParams params;
+};
+
+std::unique_ptr<StagingSet> MakeSet(StagingFormat format, int64_t tokens,
+                                    const cuda::DevicePlacement& placement, DeviceBuffer& load,
+                                    DeviceBuffer& hosted, std::mt19937_64& rng) {
+  auto s = std::make_unique<StagingSet>();
+  std::vector<uint16_t> x(tokens * kHidden);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (uint16_t& v : x) v = FloatToBf16(normal(rng));
+  std::vector<int32_t> ids(tokens * kTopK);
+  for (int32_t& id : ids) id = static_cast<int32_t>(rng() % kExperts);
+  const bool mx = format == StagingFormat::kMxfp8;
+  CHECK_OK(s->x.Reserve(x.size() * 2));
+  CHECK_OK(s->q.Reserve(mx ? x.size() : x.size() / 2));
+  CHECK_OK(s->scales.Reserve(x.size() / (mx ? 128 : 64) * 4));
+  CHECK_OK(s->token_scale.Reserve(tokens * 4));
+  CHECK_OK(s->ids.Reserve(ids.size() * 4));
+  CHECK_OK(s->phys.Reserve(ids.size() * 4));
+  CUDA_OK(cudaMemcpy(s->x.get(), x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(s->ids.get(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+  StagingParams& p = s->params;
+  p.format = format;
+  p.x = s->x.as<const uint16_t>();
+  p.tokens = static_cast<int32_t>(tokens);
+  p.hidden_size = static_cast<int32_t>(kHidden);
+  p.q = s->q.as<uint8_t>();
+  p.scales = s->scales.as<int32_t>();
+  p.token_scale = s->token_scale.as<float>();
+  p.topk_ids = s->ids.as<const int32_t>();
+  p.top_k = kTopK;
+  placement.Fill(p);
+  p.physical_ids = s->phys.as<int32_t>();
+  p.load = load.as<unsigned long long>();
+  p.hosted = hosted.as<const uint8_t>();
+  p.load_size = kSlots;
+  p.num_unpadded = static_cast<int32_t>(tokens);
+  return s;
+}
+
+// Median microseconds per launch: a graph of `copies` passes over `sets`, replayed `reps` times.
+double TimeLaunches(const std::vector<std::unique_ptr<StagingSet>>& sets, int copies, int reps,
+                    cudaStream_t stream) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (int c = 0; c < copies; ++c) {
+    for (const auto& s : sets) CHECK_OK(cuda::EnqueueStaging(s->params, stream));
+  }
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t start, stop;
+  CUDA_OK(cudaEventCreate(&start));
+  CUDA_OK(cudaEventCreate(&stop));
+  std::vector<double> us;
+  for (int i = 0; i < reps + 3; ++i) {
+    CUDA_OK(cudaEventRecord(start, stream));
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaEventRecord(stop, stream));
+    CUDA_OK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
+    if (i >= 3) us.push_back(ms * 1e3 / (copies * sets.size()));
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  return Median(us);
+}
+
+// Bytes one launch reads and writes (load atomics not counted: 288 counters).
+double LaunchBytes(StagingFormat format, int64_t tokens) {
+  const double elements = static_cast<double>(tokens) * kHidden;
+  const double routes = static_cast<double>(tokens) * kTopK;
+  const double written = format == StagingFormat::kMxfp8
+                             ? elements + elements / 32
+                             : elements / 2 + elements / 16 + 4.0 * tokens;
+  return 2 * elements + written + 4 * routes /* ids */ + 4 * routes /* physical ids */;
+}
+
+int Main() {
+  cudaStream_t stream;
+  CUDA_OK(cudaSetDevice(0));
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaDeviceProp prop{};
+  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+  const double copy_bw = CopyBandwidth(stream);
+  std::printf("device: %s; copy bandwidth %.3f TB/s (read + write)\n", prop.name, copy_bw / 1e12);
+
+  std::mt19937_64 rng(11);
+  std::vector<int32_t> p2l(kSlots);
+  for (int s = 0; s < kSlots; ++s) p2l[s] = s < kExperts ? s : static_cast<int32_t>(rng() % kExperts);
+  absl::StatusOr<LayerPlacement> placement = LayerPlacement::Create(p2l, kExperts);
+  CHECK_OK(placement.status());
+  absl::StatusOr<std::unique_ptr<cuda::DevicePlacement>> dp = cuda::UploadPlacement(*placement);
+  CHECK_OK(dp.status());
+  DeviceBuffer load, hosted;
+  CHECK_OK(load.Reserve(kSlots * 8));
+  CHECK_OK(hosted.Reserve(kSlots));
+  CUDA_OK(cudaMemset(load.get(), 0, kSlots * 8));
+  CUDA_OK(cudaMemset(hosted.get(), 1, kSlots));
+
+  nlohmann::json points = nlohmann::json::array();
+  for (StagingFormat format : {StagingFormat::kMxfp8, StagingFormat::kNvfp4}) {
+    const char* name = format == StagingFormat::kMxfp8 ? "mxfp8" : "nvfp4";
+    std::vector<std::unique_ptr<StagingSet>> big;
+    for (int i = 0; i < 4; ++i) big.push_back(MakeSet(format, 4096, **dp, load, hosted, rng));
+    const double us = TimeLaunches(big, 1, 50, stream);
+    const double bytes = LaunchBytes(format, 4096);
+    const double rate = bytes / (us * 1e-6);
+    std::printf("%s 4096 x %lld + remap + load: %8.2f us, %.1f MB, %.3f TB/s = %.1f%% of copy "
+                "bandwidth (target >= 80%%) %s\n",
+                name, static_cast<long long>(kHidden), us, bytes / 1e6, rate / 1e12,
+                100 * rate / copy_bw, rate >= 0.8 * copy_bw ? "MET" : "missed");
+    points.push_back({{"format", name}, {"tokens", 4096}, {"hidden", kHidden},
+                      {"median_us_per_launch", us}, {"bytes", bytes},
+                      {"TBps", rate / 1e12}, {"fraction_of_copy_bw", rate / copy_bw},
+                      {"target_fraction", 0.8}});
+    big.clear();
+    for (int64_t tokens : {1, 8, 64}) {
+      std::vector<std::unique_ptr<StagingSet>> one;
+      one.push_back(MakeSet(format, tokens, **dp, load, hosted, rng));
+      const double single = TimeLaunches(one, 1, 200, stream);
+      const double chained = TimeLaunches(one, 32, 50, stream);
+      std::printf("%s T=%2lld: graph of one launch %.2f us (target <= 8 us) %s; back-to-back "
+                  "%.2f us per launch\n",
+                  name, static_cast<long long>(tokens), single, single <= 8 ? "MET" : "missed",
+                  chained);
+      points.push_back({{"format", name}, {"tokens", tokens}, {"hidden", kHidden},
+                        {"graph_of_one_launch_median_us", single},
+                        {"back_to_back_us_per_launch", chained}, {"target_us", 8}});
+    }
+  }
+  nlohmann::json out = {
+      {"benchmark", "staging_bench: fused GPU staging (quantize + EPLB remap + load recording)"},
+      {"device", prop.name},
+      {"commit", absl::GetFlag(FLAGS_commit)},
+      {"date_unix", static_cast<int64_t>(std::time(nullptr))},
+      {"copy_bandwidth_TBps", copy_bw / 1e12},
+      {"placement", {{"logical", kExperts}, {"slots", kSlots}, {"top_k", kTopK}}},
+      {"points", points}};
+  const std::string path = absl::GetFlag(FLAGS_out_json);
+  if (!path.empty()) {
+    std::ofstream(path) << out.dump(2) << "\n";
+    std::printf("wrote %s\n", path.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace moe::bench
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return moe::bench::Main();
+}

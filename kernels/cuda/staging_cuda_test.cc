@@ -1,0 +1,210 @@
+// GPU staging (staging_runner.h) against the CPU functions QuantizeMxfp8, QuantizeNvfp4PerToken,
+// MapLogicalToPhysical and RecordLoad: every output byte and every load count must be equal, on
+// fresh random data each run (seeded from the clock, printed) with zero rows, huge and tiny
+// values, infinities and NaNs, replicated and vacant slots, out-of-range ids, padding and a
+// partial hosted mask. Outputs are poisoned before the launch. Needs a GPU (tagged "gpu").
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cuda/staging_runner.h"
+#include "kernels/eplb.h"
+#include "kernels/formats.h"
+#include "kernels/staging.h"
+#include "kernels/tensor.h"
+
+namespace moe::cuda {
+namespace {
+
+constexpr int kExperts = 64;
+constexpr int kTopK = 6;
+constexpr int kSlots = 80;  // 64 experts, 15 extra replicas, 1 vacant slot
+
+// Rows of N(0, 1) times 2^u (u uniform in [-30, 30]); row kinds by t % 7: 1 all zero, 2 with
+// huge values (BF16 max) mixed in, 3 tiny (subnormal BF16) values, 4 an infinity and a NaN.
+std::vector<uint16_t> RandomHidden(int64_t tokens, int64_t hidden, std::mt19937_64& rng) {
+  std::vector<uint16_t> x(tokens * hidden);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::uniform_int_distribution<int> exponent(-30, 30);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float scale = std::ldexp(1.f, exponent(rng));
+    uint16_t* row = &x[t * hidden];
+    for (int64_t h = 0; h < hidden; ++h) row[h] = FloatToBf16(normal(rng) * scale);
+    switch (t % 7) {
+      case 1:
+        std::fill(row, row + hidden, 0);
+        break;
+      case 2:
+        for (int64_t h = 0; h < hidden; h += 37) row[h] = (rng() & 1) ? 0x7F7F : 0xFF7F;
+        break;
+      case 3:
+        for (int64_t h = 0; h < hidden; ++h) row[h] = static_cast<uint16_t>(rng() % 0x80);
+        break;
+      case 4:
+        row[rng() % hidden] = 0x7F80;  // +inf
+        row[rng() % hidden] = 0x7FC1;  // NaN
+        break;
+      default:
+        break;
+    }
+  }
+  return x;
+}
+
+LayerPlacement RandomPlacement(std::mt19937_64& rng) {
+  std::vector<int32_t> p2l(kSlots);
+  for (int s = 0; s < kSlots; ++s) p2l[s] = s < kExperts ? s : static_cast<int32_t>(rng() % 8);
+  p2l[kSlots - 1] = -1;
+  std::shuffle(p2l.begin(), p2l.end(), rng);
+  absl::StatusOr<LayerPlacement> placement = LayerPlacement::Create(p2l, kExperts);
+  EXPECT_TRUE(placement.ok()) << placement.status();
+  return *std::move(placement);
+}
+
+template <typename T>
+T* DeviceCopy(const std::vector<T>& host, DeviceBuffer& buf) {
+  EXPECT_TRUE(buf.Reserve(host.size() * sizeof(T)).ok());
+  EXPECT_EQ(cudaMemcpy(buf.get(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
+            cudaSuccess);
+  return buf.as<T>();
+}
+
+template <typename T>
+std::vector<T> HostCopy(const DeviceBuffer& buf, size_t n) {
+  std::vector<T> host(n);
+  EXPECT_EQ(cudaMemcpy(host.data(), buf.get(), n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+  return host;
+}
+
+template <typename T>
+size_t Mismatches(const std::vector<T>& got, const std::vector<T>& want) {
+  size_t n = 0;
+  for (size_t i = 0; i < want.size(); ++i) n += std::memcmp(&got[i], &want[i], sizeof(T)) != 0;
+  return n;
+}
+
+void CheckCase(StagingFormat format, int64_t tokens, int64_t hidden, uint64_t seed) {
+  SCOPED_TRACE(testing::Message() << (format == StagingFormat::kMxfp8 ? "MXFP8" : "NVFP4")
+                                  << " T=" << tokens << " H=" << hidden << " seed=" << seed);
+  std::mt19937_64 rng(seed);
+  const bool mx = format == StagingFormat::kMxfp8;
+  const int64_t q_bytes = mx ? tokens * hidden : tokens * hidden / 2;
+  const int64_t words = tokens * hidden / (mx ? 128 : 64);
+  const std::vector<uint16_t> x = RandomHidden(tokens, hidden, rng);
+  std::vector<int32_t> ids(tokens * kTopK);
+  for (int32_t& id : ids) {
+    const int r = static_cast<int>(rng() % 100);
+    id = r < 5 ? -1 : (r < 7 ? kExperts + r : static_cast<int32_t>(rng() % kExperts));
+  }
+  std::vector<int64_t> token_indices(tokens);
+  for (int64_t& i : token_indices) i = static_cast<int64_t>(rng() % (int64_t{1} << 40));
+  std::vector<uint8_t> hosted(kSlots);
+  std::unique_ptr<bool[]> hosted_bool(new bool[kSlots]);
+  std::vector<int64_t> load(kSlots);
+  for (int s = 0; s < kSlots; ++s) {
+    hosted[s] = rng() % 4 != 0;
+    hosted_bool[s] = hosted[s] != 0;
+    load[s] = static_cast<int64_t>(rng() % 1000);
+  }
+  const int64_t num_unpadded = tokens - tokens / 3;
+  const LayerPlacement placement = RandomPlacement(rng);
+
+  // CPU reference.
+  std::vector<uint8_t> q_ref(q_bytes);
+  std::vector<int32_t> scales_ref(words), phys_ref(tokens * kTopK);
+  std::vector<float> token_scale_ref(tokens);
+  const TensorView xv = MakeView(DType::kBF16, {tokens, hidden}, x.data());
+  if (mx) {
+    ASSERT_TRUE(QuantizeMxfp8(xv, MakeView(DType::kE4M3, {tokens, hidden}, q_ref.data()),
+                              MakeView(DType::kI32, {tokens, hidden / 128}, scales_ref.data()))
+                    .ok());
+  } else {
+    ASSERT_TRUE(QuantizeNvfp4PerToken(xv, MakeView(DType::kU8, {tokens, hidden / 2}, q_ref.data()),
+                                      MakeView(DType::kI32, {tokens, hidden / 64}, scales_ref.data()),
+                                      MakeView(DType::kF32, {tokens}, token_scale_ref.data()))
+                    .ok());
+  }
+  const TensorView phys_view = MakeView(DType::kI32, {tokens, kTopK}, phys_ref.data());
+  ASSERT_TRUE(MapLogicalToPhysical(placement, MakeView(DType::kI32, {tokens, kTopK}, ids.data()),
+                                   MakeView(DType::kI64, {tokens}, token_indices.data()), phys_view)
+                  .ok());
+  std::vector<int64_t> load_ref = load;
+  ASSERT_TRUE(RecordLoad(phys_view, num_unpadded, absl::Span<const bool>(hosted_bool.get(), kSlots),
+                         absl::Span<int64_t>(load_ref))
+                  .ok());
+
+  // GPU, outputs poisoned.
+  absl::StatusOr<std::unique_ptr<DevicePlacement>> dp = UploadPlacement(placement);
+  ASSERT_TRUE(dp.ok()) << dp.status();
+  DeviceBuffer dx, dq, ds, dts, dids, didx, dphys, dhosted, dload;
+  StagingParams p;
+  p.format = format;
+  p.x = DeviceCopy(x, dx);
+  p.tokens = static_cast<int32_t>(tokens);
+  p.hidden_size = static_cast<int32_t>(hidden);
+  p.q = DeviceCopy(std::vector<uint8_t>(q_bytes, 0xA5), dq);
+  p.scales = DeviceCopy(std::vector<int32_t>(words, 0x5A5A5A5A), ds);
+  p.token_scale = DeviceCopy(std::vector<float>(tokens, NAN), dts);
+  p.topk_ids = DeviceCopy(ids, dids);
+  p.token_indices = DeviceCopy(token_indices, didx);
+  p.top_k = kTopK;
+  (*dp)->Fill(p);
+  p.physical_ids = DeviceCopy(std::vector<int32_t>(tokens * kTopK, 0x7777), dphys);
+  p.load = reinterpret_cast<unsigned long long*>(DeviceCopy(load, dload));
+  p.hosted = DeviceCopy(hosted, dhosted);
+  p.load_size = kSlots;
+  p.num_unpadded = static_cast<int32_t>(num_unpadded);
+  ASSERT_TRUE(EnqueueStaging(p, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+  EXPECT_EQ(Mismatches(HostCopy<uint8_t>(dq, q_bytes), q_ref), 0u);
+  EXPECT_EQ(Mismatches(HostCopy<int32_t>(ds, words), scales_ref), 0u);
+  if (!mx) {
+    EXPECT_EQ(Mismatches(HostCopy<float>(dts, tokens), token_scale_ref), 0u);
+  }
+  EXPECT_EQ(Mismatches(HostCopy<int32_t>(dphys, tokens * kTopK), phys_ref), 0u);
+  EXPECT_EQ(HostCopy<int64_t>(dload, kSlots), load_ref);
+}
+
+uint64_t FreshSeed() {
+  const uint64_t seed = static_cast<uint64_t>(
+      std::chrono::steady_clock::now().time_since_epoch().count());
+  std::printf("staging_cuda_test seed %llu\n", static_cast<unsigned long long>(seed));
+  return seed;
+}
+
+TEST(StagingCudaTest, Mxfp8MatchesCpuBitForBit) {
+  const uint64_t seed = FreshSeed();
+  for (int64_t tokens : {1, 2, 7, 64, 333, 4096}) {
+    for (int64_t hidden : {128, 2944, 7168}) CheckCase(StagingFormat::kMxfp8, tokens, hidden, seed + tokens * 31 + hidden);
+  }
+}
+
+TEST(StagingCudaTest, Nvfp4MatchesCpuBitForBit) {
+  const uint64_t seed = FreshSeed();
+  for (int64_t tokens : {1, 2, 7, 64, 333, 4096}) {
+    for (int64_t hidden : {128, 2880, 7168}) CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + tokens * 17 + hidden);
+  }
+}
+
+TEST(StagingCudaTest, RemapOnlyAndRejectsBadHidden) {
+  StagingParams p;
+  p.format = StagingFormat::kMxfp8;
+  uint16_t dummy = 0;
+  p.x = &dummy;
+  p.tokens = 1;
+  p.hidden_size = 2880;  // not a multiple of 128
+  EXPECT_EQ(EnqueueStaging(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  p.hidden_size = 128;  // outputs missing
+  EXPECT_EQ(EnqueueStaging(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace moe::cuda

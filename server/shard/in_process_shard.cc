@@ -1,0 +1,51 @@
+#include "server/shard/in_process_shard.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace moe {
+
+absl::StatusOr<std::unique_ptr<InProcessShard>> InProcessShard::Start(
+    const InProcessShardOptions& options) {
+  std::unique_ptr<InProcessShard> shard(new InProcessShard());
+  absl::StatusOr<std::unique_ptr<ModelWeightSource>> source =
+      ModelWeightSource::Open(options.model_dir);
+  if (!source.ok()) return source.status();
+  shard->source_ = *std::move(source);
+  absl::StatusOr<std::unique_ptr<ExpertBackend>> backend = CreateBackend(options.backend);
+  if (!backend.ok()) return backend.status();
+  shard->backend_ = *std::move(backend);
+  ExecutorOptions executor;
+  executor.max_batch_tokens = options.max_batch_tokens;
+  shard->service_ = std::make_unique<ExpertShardService>(shard->source_.get(),
+                                                         shard->backend_.get(), executor);
+  const ServedModel& model = shard->source_->model();
+  if (absl::Status s = shard->service_->Activate(
+          ShardPlacement::Standalone(model.num_layers, model.num_experts, 1));
+      !s.ok()) {
+    return s;
+  }
+  shard->raw_ = std::make_unique<RawForwardService>(shard->service_.get());
+  shard->shm_ = std::make_unique<ShmForwardService>(shard->service_.get());
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.RegisterService(shard->service_.get());
+  builder.RegisterService(shard->raw_.get());
+  builder.RegisterService(shard->shm_.get());
+  shard->server_ = builder.BuildAndStart();
+  if (shard->server_ == nullptr || port == 0) {
+    return absl::UnavailableError("in-process shard: cannot listen on 127.0.0.1");
+  }
+  shard->address_ = absl::StrCat("127.0.0.1:", port);
+  shard->service_->set_identity({"in-process", shard->address_});
+  return shard;
+}
+
+InProcessShard::~InProcessShard() {
+  if (server_ != nullptr) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+}
+
+}  // namespace moe

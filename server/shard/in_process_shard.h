@@ -1,0 +1,58 @@
+// InProcessShard: an expert shard (ExpertShardService, RawForwardService, ShmForwardService) served by a gRPC server
+// inside the calling process, standalone (every expert, map version 1), on 127.0.0.1 port 0.
+// For tests and benchmarks that want the real service without a child process
+// (bench/rpc_bench, raw_forward_test).
+//
+// Thread-safety: the accessors are const after Start; the server serves concurrently.
+// Ownership: owns the weight source, backend, services and server; the destructor shuts the
+// server down (in-flight calls finish) before freeing the rest.
+#ifndef MOE_SERVER_SHARD_IN_PROCESS_SHARD_H_
+#define MOE_SERVER_SHARD_IN_PROCESS_SHARD_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "grpcpp/grpcpp.h"
+#include "kernels/backend.h"
+#include "server/shard/model_source.h"
+#include "server/shard/raw_forward.h"
+#include "server/shard/service.h"
+#include "server/shard/shm_forward.h"
+
+namespace moe {
+
+struct InProcessShardOptions {
+  std::string model_dir;               // checkpoint directory (server/model/generator.h writes one)
+  std::string backend = "cpu-reference";
+  int64_t max_message_bytes = 256 << 20;  // receive and send limit (moe_shard's)
+  int64_t max_batch_tokens = 8192;
+};
+
+class InProcessShard {
+ public:
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<InProcessShard>> Start(
+      const InProcessShardOptions& options);
+  ~InProcessShard();
+
+  const std::string& address() const { return address_; }
+  const ServedModel& model() const { return source_->model(); }
+  ExpertShardService& service() { return *service_; }
+  ShmForwardService& shm() { return *shm_; }
+
+ private:
+  InProcessShard() = default;
+
+  std::unique_ptr<ModelWeightSource> source_;
+  std::unique_ptr<ExpertBackend> backend_;
+  std::unique_ptr<ExpertShardService> service_;
+  std::unique_ptr<RawForwardService> raw_;
+  std::unique_ptr<ShmForwardService> shm_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+};
+
+}  // namespace moe
+
+#endif  // MOE_SERVER_SHARD_IN_PROCESS_SHARD_H_

@@ -1,0 +1,75 @@
+#include "server/shard/shm_forward.h"
+
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "server/common/status.h"
+
+namespace moe {
+namespace {
+
+// Whether [a, a + n) and [b, b + m) share a byte (both already inside one region, so no overflow).
+bool Overlap(uint64_t a, uint64_t n, uint64_t b, uint64_t m) {
+  return n > 0 && m > 0 && a < b + m && b < a + n;
+}
+
+}  // namespace
+
+grpc::Status ShmForwardService::RegisterSharedMemory(grpc::ServerContext*,
+                                                     const v1::RegisterSharedMemoryRequest* req,
+                                                     v1::RegisterSharedMemoryResponse*) {
+  return ToGrpcStatus(registry_.Register(req->region_id(), req->shm_key(), req->byte_size()));
+}
+
+grpc::Status ShmForwardService::UnregisterSharedMemory(
+    grpc::ServerContext*, const v1::UnregisterSharedMemoryRequest* req,
+    v1::UnregisterSharedMemoryResponse*) {
+  return ToGrpcStatus(registry_.Unregister(req->region_id()));
+}
+
+grpc::Status ShmForwardService::Forward(grpc::ServerContext*, const v1::ShmForwardRequest* request,
+                                        v1::ForwardResponse* response) {
+  return ToGrpcStatus(DoForward(*request, response));
+}
+
+absl::Status ShmForwardService::DoForward(const v1::ShmForwardRequest& shm,
+                                          v1::ForwardResponse* response) {
+  if (!shm.request().hidden_states().data().data().empty()) {
+    return absl::InvalidArgumentError(
+        "request.hidden_states.data.data: must be empty (the bytes are in shared memory)");
+  }
+  const v1::SharedMemoryRef& in_ref = shm.hidden_states();
+  const v1::SharedMemoryRef& out_ref = shm.output();
+  absl::StatusOr<ShmRegistry::Lease> in_lease = registry_.Acquire(in_ref.region_id());
+  if (!in_lease.ok()) return in_lease.status();
+  absl::StatusOr<ShmRegistry::Lease> out_lease = registry_.Acquire(out_ref.region_id());
+  if (!out_lease.ok()) return out_lease.status();
+  absl::StatusOr<absl::Span<uint8_t>> in =
+      in_lease->Range(in_ref.offset(), in_ref.length(), "hidden_states");
+  if (!in.ok()) return in.status();
+  absl::StatusOr<absl::Span<uint8_t>> out =
+      out_lease->Range(out_ref.offset(), out_ref.length(), "output");
+  if (!out.ok()) return out.status();
+  if (in_ref.region_id() == out_ref.region_id() &&
+      Overlap(in_ref.offset(), in_ref.length(), out_ref.offset(), out_ref.length())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "output: range [", out_ref.offset(), ", +", out_ref.length(),
+        ") overlaps the hidden_states range [", in_ref.offset(), ", +", in_ref.length(), ")"));
+  }
+  v1::ForwardRequest request = shm.request();
+  request.mutable_hidden_states()->mutable_data()->set_data(
+      std::string(reinterpret_cast<const char*>(in->data()), in->size()));
+  if (absl::Status s = shard_->ServeForward(request, response); !s.ok()) return s;
+  const std::string& bytes = response->output().data();
+  if (bytes.size() != out->size()) {
+    return absl::InvalidArgumentError(absl::StrCat("output: range of ", out->size(),
+                                                   " bytes, the output has ", bytes.size()));
+  }
+  std::memcpy(out->data(), bytes.data(), bytes.size());
+  response->mutable_output()->clear_data();
+  return absl::OkStatus();
+}
+
+}  // namespace moe

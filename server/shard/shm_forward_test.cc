@@ -1,0 +1,273 @@
+// Shared-memory Forward against an in-process shard: same answer as Forward; each misuse
+// (unregistered region, ranges out of bounds, overflowing or overlapping, a region removed while
+// in use, bad registrations) gets its precise error and the shard keeps serving.
+#include "server/shard/shm_forward.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "moe/v1/shard.grpc.pb.h"
+#include "moe/v1/shm.grpc.pb.h"
+#include "server/model/generator.h"
+#include "server/shard/in_process_shard.h"
+
+namespace moe {
+namespace {
+
+constexpr int64_t kHidden = 128;
+constexpr int64_t kTokens = 4;
+constexpr uint64_t kIn = kTokens * kHidden * 2;    // BF16 hidden states
+constexpr uint64_t kOut = kTokens * kHidden * 4;   // F32 output
+constexpr uint64_t kRegion = 64 * 1024;
+
+class ShmForwardTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    const std::string dir = absl::StrCat(std::getenv("TEST_TMPDIR"), "/shm_forward_model");
+    model::GenerateOptions gen;
+    gen.hidden = kHidden;
+    ASSERT_TRUE(model::GenerateModel(gen, dir).ok());
+    InProcessShardOptions options;
+    options.model_dir = dir;
+    absl::StatusOr<std::unique_ptr<InProcessShard>> shard = InProcessShard::Start(options);
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    shard_ = shard->release();
+    auto channel = grpc::CreateChannel(shard_->address(), grpc::InsecureChannelCredentials());
+    shm_stub_ = v1::SharedMemoryShard::NewStub(channel).release();
+    stub_ = v1::ExpertShard::NewStub(channel).release();
+  }
+  static void TearDownTestSuite() {
+    delete shm_stub_;
+    delete stub_;
+    delete shard_;
+  }
+
+  void SetUp() override {
+    key_ = absl::StrCat("/moe_shm_test_", getpid());
+    const int fd = shm_open(key_.c_str(), O_CREAT | O_RDWR | O_TRUNC, 0600);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(ftruncate(fd, kRegion), 0);
+    void* p = mmap(nullptr, kRegion, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    ASSERT_NE(p, MAP_FAILED);
+    base_ = static_cast<uint8_t*>(p);
+  }
+  void TearDown() override {
+    munmap(base_, kRegion);
+    shm_unlink(key_.c_str());
+  }
+
+  static std::unique_ptr<grpc::ClientContext> Context() {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    ctx->set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    return ctx;
+  }
+
+  grpc::Status Register(const std::string& id, const std::string& key, uint64_t size) {
+    v1::RegisterSharedMemoryRequest req;
+    req.set_region_id(id);
+    req.set_shm_key(key);
+    req.set_byte_size(size);
+    v1::RegisterSharedMemoryResponse resp;
+    return shm_stub_->RegisterSharedMemory(Context().get(), req, &resp);
+  }
+  grpc::Status Unregister(const std::string& id) {
+    v1::UnregisterSharedMemoryRequest req;
+    req.set_region_id(id);
+    v1::UnregisterSharedMemoryResponse resp;
+    return shm_stub_->UnregisterSharedMemory(Context().get(), req, &resp);
+  }
+
+  // Request of kTokens BF16 tokens routed to (t, t + 4); payload written at region offset 0.
+  v1::ShmForwardRequest MakeRequest(const std::string& id, std::string* payload) {
+    v1::ShmForwardRequest shm;
+    v1::ForwardRequest* req = shm.mutable_request();
+    req->set_layer(0);
+    req->set_output_dtype(v1::F32);
+    v1::HiddenStates* hs = req->mutable_hidden_states();
+    hs->set_format(v1::ACTIVATION_BF16);
+    hs->mutable_data()->set_dtype(v1::BF16);
+    hs->mutable_data()->add_shape(kTokens);
+    hs->mutable_data()->add_shape(kHidden);
+    payload->resize(kIn);
+    for (uint64_t i = 0; i < kIn; i += 2) {
+      (*payload)[i] = static_cast<char>(i * 13);
+      (*payload)[i + 1] = static_cast<char>(i % 6 == 0 ? 0xbe : 0x3e);  // BF16 about +-0.1..0.5
+    }
+    std::memcpy(base_, payload->data(), kIn);
+    std::vector<int32_t> ids;
+    std::vector<float> w;
+    for (int t = 0; t < kTokens; ++t) {
+      ids.insert(ids.end(), {t, t + 4});
+      w.insert(w.end(), {0.5f, 0.5f});
+    }
+    for (auto [tensor, dtype, bytes] :
+         {std::tuple{req->mutable_topk_ids(), v1::I32,
+                     std::string(reinterpret_cast<const char*>(ids.data()), ids.size() * 4)},
+          std::tuple{req->mutable_topk_weights(), v1::F32,
+                     std::string(reinterpret_cast<const char*>(w.data()), w.size() * 4)}}) {
+      tensor->set_dtype(dtype);
+      tensor->add_shape(kTokens);
+      tensor->add_shape(2);
+      tensor->set_data(bytes);
+    }
+    shm.mutable_hidden_states()->set_region_id(id);
+    shm.mutable_hidden_states()->set_offset(0);
+    shm.mutable_hidden_states()->set_length(kIn);
+    shm.mutable_output()->set_region_id(id);
+    shm.mutable_output()->set_offset(kIn);
+    shm.mutable_output()->set_length(kOut);
+    return shm;
+  }
+
+  grpc::Status Forward(const v1::ShmForwardRequest& req, v1::ForwardResponse* resp) {
+    return shm_stub_->Forward(Context().get(), req, resp);
+  }
+
+  // A well-formed request still succeeds.
+  void ExpectStillServing(const std::string& id) {
+    std::string payload;
+    v1::ForwardResponse resp;
+    EXPECT_TRUE(Forward(MakeRequest(id, &payload), &resp).ok());
+  }
+
+  static InProcessShard* shard_;
+  static v1::SharedMemoryShard::Stub* shm_stub_;
+  static v1::ExpertShard::Stub* stub_;
+  std::string key_;
+  uint8_t* base_ = nullptr;
+};
+
+InProcessShard* ShmForwardTest::shard_ = nullptr;
+v1::SharedMemoryShard::Stub* ShmForwardTest::shm_stub_ = nullptr;
+v1::ExpertShard::Stub* ShmForwardTest::stub_ = nullptr;
+
+TEST_F(ShmForwardTest, SameOutputAsProtobufForward) {
+  ASSERT_TRUE(Register("a", key_, kRegion).ok());
+  std::string payload;
+  const v1::ShmForwardRequest shm = MakeRequest("a", &payload);
+  v1::ForwardRequest full = shm.request();
+  full.mutable_hidden_states()->mutable_data()->set_data(payload);
+  v1::ForwardResponse expected;
+  ASSERT_TRUE(stub_->Forward(Context().get(), full, &expected).ok());
+  ASSERT_EQ(expected.output().data().size(), kOut);
+  EXPECT_NE(expected.output().data(), std::string(kOut, '\0'));
+
+  v1::ForwardResponse resp;
+  const grpc::Status s = Forward(shm, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_TRUE(resp.output().data().empty());
+  EXPECT_EQ(resp.output().dtype(), v1::F32);
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(base_ + kIn), kOut), expected.output().data());
+  EXPECT_TRUE(Unregister("a").ok());
+}
+
+TEST_F(ShmForwardTest, UnregisteredRegionIsNotFound) {
+  std::string payload;
+  v1::ForwardResponse resp;
+  const grpc::Status s = Forward(MakeRequest("nope", &payload), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(s.error_message(), "shared memory region 'nope' is not registered");
+  EXPECT_EQ(Unregister("nope").error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(ShmForwardTest, RangesAreChecked) {
+  ASSERT_TRUE(Register("b", key_, kRegion).ok());
+  std::string payload;
+  v1::ForwardResponse resp;
+  v1::ShmForwardRequest req = MakeRequest("b", &payload);
+  req.mutable_hidden_states()->set_offset(kRegion - 10);  // 10 bytes left, kIn wanted
+  grpc::Status s = Forward(req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message(), absl::StrCat("hidden_states: offset 65526 + length ", kIn,
+                                            " exceeds region 'b' of 65536 bytes"));
+  req = MakeRequest("b", &payload);
+  req.mutable_output()->set_offset(kRegion + 1);  // starts past the end
+  s = Forward(req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message(), absl::StrCat("output: offset 65537 + length ", kOut,
+                                            " exceeds region 'b' of 65536 bytes"));
+  // offset + length wraps around 2^64 to a small number: still rejected.
+  req = MakeRequest("b", &payload);
+  req.mutable_output()->set_offset(8);
+  req.mutable_output()->set_length(UINT64_MAX - 3);
+  s = Forward(req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message(),
+            "output: offset 8 + length 18446744073709551612 exceeds region 'b' of 65536 bytes");
+  // Output overlapping the hidden states.
+  req = MakeRequest("b", &payload);
+  req.mutable_output()->set_offset(kIn - 2);
+  s = Forward(req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message(), absl::StrCat("output: range [1022, +", kOut,
+                                            ") overlaps the hidden_states range [0, +1024)"));
+  // Lengths that do not match the tensors.
+  req = MakeRequest("b", &payload);
+  req.mutable_output()->set_length(kOut - 4);
+  s = Forward(req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message(), "output: range of 2044 bytes, the output has 2048");
+  req = MakeRequest("b", &payload);
+  req.mutable_hidden_states()->set_length(kIn - 2);
+  s = Forward(req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("hidden_states.data"), std::string::npos) << s.error_message();
+  ExpectStillServing("b");
+  EXPECT_TRUE(Unregister("b").ok());
+}
+
+TEST_F(ShmForwardTest, RegionInUseCannotBeUnregistered) {
+  ASSERT_TRUE(Register("c", key_, kRegion).ok());
+  {
+    // A request holds the region (as a Forward does while it runs).
+    absl::StatusOr<ShmRegistry::Lease> lease = shard_->shm().registry().Acquire("c");
+    ASSERT_TRUE(lease.ok());
+    const grpc::Status s = Unregister("c");
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_EQ(s.error_message(),
+              "shared memory region 'c' is in use by 1 request(s); unregister it later");
+    ExpectStillServing("c");
+  }
+  EXPECT_TRUE(Unregister("c").ok());
+  std::string payload;
+  v1::ForwardResponse resp;
+  EXPECT_EQ(Forward(MakeRequest("c", &payload), &resp).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(ShmForwardTest, BadRegistrationsAreRejected) {
+  grpc::Status s = Register("d", key_, kRegion + 1);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message(), absl::StrCat("byte_size: shared memory '", key_,
+                                            "' has 65536 bytes, fewer than 65537"));
+  s = Register("d", "/moe_shm_test_missing_object", 16);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(s.error_message(),
+            "cannot open shared memory '/moe_shm_test_missing_object': No such file or directory");
+  s = Register("d", "/../etc/passwd", 16);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message(),
+            "shm_key: '/../etc/passwd' is not a POSIX shared-memory name (\"/name\")");
+  EXPECT_EQ(Register("d", key_, 0).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(Register("", key_, 16).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  ASSERT_TRUE(Register("d", key_, kRegion).ok());
+  s = Register("d", key_, kRegion);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_EQ(s.error_message(), "shared memory region 'd' is already registered");
+  ExpectStillServing("d");
+  EXPECT_TRUE(Unregister("d").ok());
+}
+
+}  // namespace
+}  // namespace moe
