@@ -180,11 +180,16 @@ class LoadAccountingTest : public ::testing::Test {
     absl::StatusOr<std::unique_ptr<ReferenceModel>> ref = ReferenceModel::Open(model_dir_);
     ASSERT_TRUE(ref.ok()) << ref.status();
     ref_ = *std::move(ref);
-    absl::StatusOr<std::unique_ptr<LocalCluster>> cluster =
-        LocalCluster::Start({.model_dir = model_dir_,
-                             .num_shards = 2,
-                             .redundant_slots = redundant,
-                             .heartbeat_ms = heartbeat_ms});
+    absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(
+        {.model_dir = model_dir_,
+         .num_shards = 2,
+         .redundant_slots = redundant,
+         .heartbeat_ms = heartbeat_ms,
+         // Fast heartbeats must not turn a loaded CI machine's scheduling
+         // hiccups into shard removals: allow 1 s of silence, no probes.
+         .coordinator_flags = heartbeat_ms > 0 ? std::vector<std::string>{"--missed_heartbeats=50",
+                                                                          "--health_checks=false"}
+                                               : std::vector<std::string>{}});
     ASSERT_TRUE(cluster.ok()) << cluster.status();
     cluster_ = *std::move(cluster);
     map_ = cluster_->client().cluster_map();

@@ -206,6 +206,7 @@ absl::Status LocalCluster::Launch() {
   }
   coord_args.insert(coord_args.end(), options_.coordinator_flags.begin(),
                     options_.coordinator_flags.end());
+  coordinator_args_ = coord_args;
   absl::StatusOr<std::unique_ptr<ChildProcess>> coordinator =
       ChildProcess::Spawn("moe_coordinator", RunfilePath("server/coordinator/moe_coordinator"),
                           coord_args, dir_ + "/coordinator.log");
@@ -278,6 +279,31 @@ void LocalCluster::KillShard(int rank) {
   shards_[rank]->Kill();
 }
 
+absl::Status LocalCluster::RestartCoordinator(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  coordinator_->Kill();
+  crashed_coordinators_.push_back(std::move(coordinator_));
+  std::vector<std::string> args = coordinator_args_;
+  const std::string port = coordinator_address_.substr(coordinator_address_.rfind(':') + 1);
+  for (std::string& arg : args) {
+    if (arg == "--port=0") arg = absl::StrCat("--port=", port);
+  }
+  const std::string port_file = absl::StrCat(dir_, "/coordinator.port");
+  std::remove(port_file.c_str());
+  absl::StatusOr<std::unique_ptr<ChildProcess>> coordinator = ChildProcess::Spawn(
+      absl::StrCat("moe_coordinator (restart ", crashed_coordinators_.size(), ")"),
+      RunfilePath("server/coordinator/moe_coordinator"), args,
+      absl::StrCat(dir_, "/coordinator", crashed_coordinators_.size(), ".log"));
+  if (!coordinator.ok()) return coordinator.status();
+  coordinator_ = *std::move(coordinator);
+  absl::StatusOr<int> bound = coordinator_->WaitForPortFile(port_file, deadline);
+  if (!bound.ok()) return bound.status();
+  if (absl::StrCat(*bound) != port) {
+    return absl::InternalError(absl::StrCat("restarted coordinator bound ", *bound, ", not ", port));
+  }
+  return absl::OkStatus();
+}
+
 std::string LocalCluster::shard_address(int rank) const {
   const v1::ClusterMap map = client_->cluster_map();
   return rank < map.shards_size() ? map.shards(rank).address() : "";
@@ -285,6 +311,9 @@ std::string LocalCluster::shard_address(int rank) const {
 
 std::string LocalCluster::Logs() const {
   std::string out;
+  for (const auto& crashed : crashed_coordinators_) {
+    absl::StrAppend(&out, "=== ", crashed->name(), " (killed)\n", crashed->Log());
+  }
   if (coordinator_) absl::StrAppend(&out, "=== ", coordinator_->name(), "\n", coordinator_->Log());
   for (const auto& shard : shards_)
     absl::StrAppend(&out, "=== ", shard->name(), "\n", shard->Log());

@@ -112,6 +112,14 @@ class LocalCluster {
   std::string Logs() const;
   // SIGKILLs shard `rank` (fault injection); its exit is not checked at teardown.
   void KillShard(int rank);
+  // SIGKILLs the coordinator (a crash) and starts it again with the same flags on the same port;
+  // returns once it listens. Shards and the client reconnect by themselves. The killed
+  // incarnation's log stays in Logs().
+  [[nodiscard]] absl::Status RestartCoordinator(absl::Duration timeout = absl::Seconds(30));
+  // The coordinator's (current incarnation's) process.
+  ChildProcess& coordinator_process() { return *coordinator_; }
+  // The shard process of `rank` (e.g. for SIGSTOP/SIGCONT or /proc sampling).
+  ChildProcess& shard_process(int rank) { return *shards_[rank]; }
   // Closes the client and stops the shards, then the coordinator; returns their wait statuses
   // in that order. Idempotent (the destructor calls it).
   std::vector<int> Stop();
@@ -123,6 +131,8 @@ class LocalCluster {
   LocalClusterOptions options_;
   std::string dir_;
   std::unique_ptr<ChildProcess> coordinator_;
+  std::vector<std::string> coordinator_args_;  // as first launched (--port=0)
+  std::vector<std::unique_ptr<ChildProcess>> crashed_coordinators_;  // by RestartCoordinator
   std::vector<std::unique_ptr<ChildProcess>> shards_;
   std::string coordinator_address_;
   std::unique_ptr<MoeClient> client_;

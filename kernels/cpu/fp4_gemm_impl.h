@@ -283,17 +283,32 @@ inline void BlockSums8(const uint8_t* w, int quads, const int8_t* x, VI* sum) {
   }
 }
 
+// acc[0, 16) += one block's exact sums of one route, int8 activations.
+inline void ScaleBlock8(const VI* sum, const float* weight_scales, float activation_scale,
+                        int32_t bias, float* acc) {
+  // The row scale expects the int16 path's codes, which sit 2^8 higher.
+  const float scale = activation_scale * 256.f;
+  const VI excess = Simd::Set1I32(bias);
+  for (int h = 0; h < kH; ++h) {
+    float* a = acc + h * kL;
+    const VF weight_scale = Simd::LoadF(weight_scales + h * kL);
+    Simd::StoreF(a, ScaleBlock(Simd::SubI32(sum[h], excess), weight_scale, scale, Simd::LoadF(a)));
+  }
+}
+
 // acc[t][0, 16) += the panel's blocks for T routes, int8 activations. With a fused byte dot
 // product (VNNI) the T routes share each weight load in a register tile; without one, routes go
-// one at a time (weights reloaded from L1), which leaves registers for the int16 partial sums.
+// one at a time (weights reloaded from L1), which leaves registers for the int16 partial sums
+// (measured on Zen 3: faster than two routes sharing the loads).
 template <int T>
 void PanelTile8(const uint8_t* panel, const float* scales, int64_t blocks, int block,
                 const Inputs8<T>& in, float* acc) {
   const int quads = block / 4;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* w = panel + b * quads * kChunkBytes;
-    VI sum[T][kH];
+    const float* weight_scales = scales + b * kGroupRows;
     if constexpr (Simd::kFusedDot8) {
+      VI sum[T][kH];
       for (int t = 0; t < T; ++t) {
         for (int h = 0; h < kH; ++h) sum[t][h] = Simd::ZeroI();
       }
@@ -305,18 +320,14 @@ void PanelTile8(const uint8_t* panel, const float* scales, int64_t blocks, int b
           for (int h = 0; h < kH; ++h) sum[t][h] = Simd::DotAccU8S8(sum[t][h], wv[h], xq);
         }
       }
+      for (int t = 0; t < T; ++t) {
+        ScaleBlock8(sum[t], weight_scales, in.scale[t][b], in.bias[t][b], acc + t * kGroupRows);
+      }
     } else {
-      for (int t = 0; t < T; ++t) BlockSums8(w, quads, in.x[t] + b * block, sum[t]);
-    }
-    for (int t = 0; t < T; ++t) {
-      // The row scale expects the int16 path's codes, which sit 2^8 higher.
-      const float scale = in.scale[t][b] * 256.f;
-      const VI bias = Simd::Set1I32(in.bias[t][b]);
-      for (int h = 0; h < kH; ++h) {
-        float* a = acc + t * kGroupRows + h * kL;
-        const VF weight_scale = Simd::LoadF(scales + b * kGroupRows + h * kL);
-        Simd::StoreF(
-            a, ScaleBlock(Simd::SubI32(sum[t][h], bias), weight_scale, scale, Simd::LoadF(a)));
+      for (int t = 0; t < T; ++t) {
+        VI sum[kH];
+        BlockSums8(w, quads, in.x[t] + b * block, sum);
+        ScaleBlock8(sum, weight_scales, in.scale[t][b], in.bias[t][b], acc + t * kGroupRows);
       }
     }
   }

@@ -111,6 +111,7 @@ absl::StatusOr<v1::RegisterShardResponse> ClusterState::RegisterShard(
   LOG(INFO) << "registered " << record.shard_id << " at " << record.address << " (rank " << *rank
             << ", " << record.backend << " " << record.device << ")";
   shards_[*rank] = std::move(record);
+  JournalShardLocked(*rank);
 
   if (version_ == 0 && RegisteredCountLocked() == options_.num_shards) {
     version_ = 1;
@@ -353,6 +354,7 @@ std::vector<ShardTarget> ClusterState::AliveShards() const {
 void ClusterState::Shutdown() {
   absl::MutexLock lock(&mu_);
   shutting_down_ = true;
+  JournalLoadLocked(/*force=*/true);
   map_changed_.SignalAll();
 }
 
@@ -413,6 +415,7 @@ v1::ClusterMap ClusterState::BuildMapLocked() const {
 }
 
 void ClusterState::MapChangedLocked() {
+  JournalMapLocked();
   ++generation_;
   map_changed_.SignalAll();
 }

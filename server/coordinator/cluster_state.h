@@ -34,6 +34,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "moe/v1/coordinator.pb.h"
+#include "server/coordinator/journal.h"
 #include "server/coordinator/load_book.h"
 
 namespace moe {
@@ -64,6 +65,11 @@ struct ClusterOptions {
   int eplb_groups = 1;
   // Time source; tests substitute a fake clock.
   std::function<absl::Time()> now = [] { return absl::Now(); };
+  // Durable state (not owned; must outlive the ClusterState); null keeps state in memory only.
+  // Committed/pending map versions and registrations are appended as they happen, load totals
+  // every `load_snapshot_ticks` Tick() calls.
+  Journal* journal = nullptr;
+  int load_snapshot_ticks = 10;
 };
 
 // A shard the coordinator can pull load from (see GetLoadStats with refresh).
@@ -84,6 +90,12 @@ class ClusterState {
   // REQUIRES: options.num_shards >= 1, options.redundant_slots >= 0,
   // options.heartbeat_interval > 0, options.missed_heartbeats_until_dead >= 1.
   explicit ClusterState(ClusterOptions options);
+
+  // Resumes from a replayed journal (cluster_state_journal.cc): the committed map version
+  // (new versions continue above it and any pending one), the known shards (each keeps its rank
+  // for its address but must re-register: their old shard ids get NOT_FOUND) and the load
+  // totals. REQUIRES: called before any registration.
+  absl::Status Restore(const JournalState& state);
 
   ClusterState(const ClusterState&) = delete;
   ClusterState& operator=(const ClusterState&) = delete;
@@ -202,6 +214,10 @@ class ClusterState {
   void FillPlacementLocked(uint64_t version, v1::ClusterMap* map) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void MapChangedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // cluster_state_journal.cc: no-ops without options_.journal; failures are logged.
+  void JournalMapLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void JournalShardLocked(int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void JournalLoadLocked(bool force) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // cluster_state_switch.cc
   static bool Serving(const ShardRecord& shard);
@@ -241,6 +257,10 @@ class ClusterState {
   uint64_t version_ ABSL_GUARDED_BY(mu_) = 0;  // 0 until the first map is published
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  // What the journal holds last: committed and pending versions; Tick()s since a load snapshot.
+  uint64_t journaled_version_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t journaled_pending_ ABSL_GUARDED_BY(mu_) = 0;
+  int ticks_since_snapshot_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace moe

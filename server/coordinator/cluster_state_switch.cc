@@ -195,6 +195,7 @@ void ClusterState::Tick() {
   MaybeCommitLocked();
   FinishDrainLocked(now);
   if (book_.has_value() && version_ > 0) book_->Advance(now, version_, RanksLocked(false));
+  JournalLoadLocked(/*force=*/false);
 }
 
 absl::Status ClusterState::ReportUnhealthy(const std::string& shard_id, const std::string& why) {

@@ -46,6 +46,10 @@ absl::Status ValidateOptions(const CoordinatorOptions& options) {
         absl::StrCat("--heartbeat_ms must be >= 1, got ",
                      absl::FormatDuration(options.cluster.heartbeat_interval)));
   }
+  if (options.cluster.missed_heartbeats_until_dead < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--missed_heartbeats must be >= 1, got ",
+                                                   options.cluster.missed_heartbeats_until_dead));
+  }
   if (options.max_connection_age < absl::ZeroDuration() ||
       options.max_connection_age > absl::Milliseconds(INT_MAX)) {
     return absl::InvalidArgumentError(
@@ -91,6 +95,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   if (absl::Status s = ValidateOptions(options); !s.ok()) return s;
   std::unique_ptr<CoordinatorServer> server(new CoordinatorServer());
   server->state_ = std::make_unique<ClusterState>(options.cluster);
+  if (options.restore != nullptr) {
+    if (absl::Status s = server->state_->Restore(*options.restore); !s.ok()) return s;
+  }
   server->service_ = std::make_unique<CoordinatorService>(
       server->state_.get(), options.collect_timeout, options.max_message_bytes);
 
@@ -98,10 +105,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(JoinHostPort(options.host, options.port),
-                           options.credentials != nullptr ? options.credentials
-                                                          : grpc::InsecureServerCredentials(),
-                           &server->port_);
+  builder.AddListeningPort(
+      JoinHostPort(options.host, options.port),
+      options.credentials != nullptr ? options.credentials : grpc::InsecureServerCredentials(),
+      &server->port_);
   // gRPC sets SO_REUSEPORT by default, which lets a second coordinator on the same port start
   // "successfully" and split the shards' connections with the first; fail the bind instead.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);

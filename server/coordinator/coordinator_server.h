@@ -42,6 +42,9 @@ struct CoordinatorOptions {
   SupervisorOptions supervisor;
   // Listening credentials (TLS/mTLS, token processor: server/common/tls.h); null: plaintext.
   std::shared_ptr<grpc::ServerCredentials> credentials;
+  // State replayed from cluster.journal (--state_dir), restored before the server listens;
+  // null: start empty. Only read during Start.
+  const JournalState* restore = nullptr;
 };
 
 // INVALID_ARGUMENT naming the first out-of-range option.

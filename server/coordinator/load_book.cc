@@ -162,4 +162,23 @@ void LoadBook::Summarize(absl::Time now, absl::Duration window, const std::vecto
   for (const v1::BalancednessSample& sample : history_) *stats->add_history() = sample;
 }
 
+void LoadBook::Totals(std::vector<int64_t>* slot, std::vector<int64_t>* expert,
+                      std::vector<int64_t>* shard) const {
+  *slot = slot_;
+  *expert = expert_;
+  *shard = shard_;
+}
+
+bool LoadBook::RestoreTotals(std::vector<int64_t> slot, std::vector<int64_t> expert,
+                             std::vector<int64_t> shard) {
+  if (slot.size() != slot_.size() || expert.size() != expert_.size() ||
+      shard.size() != shard_.size()) {
+    return false;
+  }
+  slot_ = std::move(slot);
+  expert_ = std::move(expert);
+  shard_ = std::move(shard);
+  return true;
+}
+
 }  // namespace moe

@@ -76,6 +76,14 @@ class LoadBook {
 
   absl::Duration window_length() const { return bucket_ * num_buckets_; }
 
+  // The cumulative totals (per slot [L * P], expert [L * E], shard [L * S]), for persistence.
+  void Totals(std::vector<int64_t>* slot, std::vector<int64_t>* expert,
+              std::vector<int64_t>* shard) const;
+  // Replaces the cumulative totals with persisted ones (a restarted coordinator); the window
+  // and history start empty. False, changing nothing, when a size does not match.
+  bool RestoreTotals(std::vector<int64_t> slot, std::vector<int64_t> expert,
+                     std::vector<int64_t> shard);
+
  private:
   struct Bucket {
     int64_t index = 0;  // bucket number since the epoch

@@ -18,9 +18,14 @@
 ABSL_FLAG(std::string, host, "127.0.0.1", "Address to listen on (0.0.0.0 or :: for all).");
 ABSL_FLAG(int, port, 0, "Port to listen on; 0 picks a free port (see --port_file).");
 ABSL_FLAG(std::string, port_file, "", "If set, the bound port is written here after startup.");
+ABSL_FLAG(std::string, state_dir, "",
+          "Directory of the durable state journal (map versions, shard registry, load totals); "
+          "a restart with the same directory resumes from it. Empty: state is kept in memory.");
 ABSL_FLAG(int, num_shards, 1, "Shards to wait for before publishing the first cluster map.");
 ABSL_FLAG(int, redundant_slots, 0, "Redundant expert slots per layer (P = experts + this).");
-ABSL_FLAG(int, heartbeat_ms, 500, "Heartbeat interval told to shards; 3 missed = not alive.");
+ABSL_FLAG(int, heartbeat_ms, 500, "Heartbeat interval told to shards.");
+ABSL_FLAG(int, missed_heartbeats, 3,
+          "Heartbeat intervals without a heartbeat after which a shard is removed.");
 ABSL_FLAG(double, load_window_seconds, 60,
           "Sliding load window per (layer, expert) and per shard that rebalancing plans with.");
 ABSL_FLAG(int, rebalance_interval_seconds, 0,
@@ -74,6 +79,7 @@ moe::CoordinatorOptions OptionsFromFlags() {
   options.cluster.num_shards = absl::GetFlag(FLAGS_num_shards);
   options.cluster.redundant_slots = absl::GetFlag(FLAGS_redundant_slots);
   options.cluster.heartbeat_interval = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_ms));
+  options.cluster.missed_heartbeats_until_dead = absl::GetFlag(FLAGS_missed_heartbeats);
   options.cluster.load_window = absl::Seconds(absl::GetFlag(FLAGS_load_window_seconds));
   options.cluster.switch_drain = absl::Milliseconds(absl::GetFlag(FLAGS_switch_drain_ms));
   options.cluster.switch_timeout = absl::Seconds(absl::GetFlag(FLAGS_switch_timeout_seconds));
@@ -128,6 +134,19 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.credentials = *std::move(credentials);
+  // Declared before the server so that it outlives the ClusterState that appends to it.
+  std::unique_ptr<moe::Journal> journal;
+  moe::JournalState recovered;
+  if (const std::string dir = absl::GetFlag(FLAGS_state_dir); !dir.empty()) {
+    absl::StatusOr<std::unique_ptr<moe::Journal>> opened = moe::Journal::Open(dir, &recovered);
+    if (!opened.ok()) {
+      std::fprintf(stderr, "moe_coordinator: %s\n", opened.status().ToString().c_str());
+      return 2;
+    }
+    journal = *std::move(opened);
+    options.cluster.journal = journal.get();
+    options.restore = &recovered;
+  }
   auto server = moe::CoordinatorServer::Start(options);
   if (!server.ok()) {
     std::fprintf(stderr, "moe_coordinator: %s\n", server.status().ToString().c_str());
