@@ -44,15 +44,15 @@ class CpuBackend final : public ExpertBackend {
   absl::Status CheckSupported(const ExpertLayer&) const override { return absl::OkStatus(); }
 
   absl::Status PrepareLayer(int layer_index, const ExpertLayer& layer) override {
-    absl::StatusOr<std::unique_ptr<PreparedLayer>> prepared;
-    {
-      // The pool serves one caller at a time; Run holds the same lock.
-      absl::MutexLock lock(&run_mu_);
-      prepared = cpu::PrepareCpuLayer(layer, pool_);
-    }
+    // A pool of its own, so that a placement switch packing new weights does not hold up the
+    // requests that Run serves meanwhile with the previous version.
+    cpu::ThreadPool pool(threads_);
+    absl::StatusOr<std::unique_ptr<PreparedLayer>> prepared = cpu::PrepareCpuLayer(layer, pool);
     if (!prepared.ok()) return prepared.status();
     absl::MutexLock lock(&cache_mu_);
     std::deque<std::shared_ptr<const PreparedLayer>>& versions = cache_[layer_index];
+    // Preparing the same weights again replaces their entry instead of evicting another version.
+    std::erase_if(versions, [&](const auto& version) { return version->Matches(layer); });
     versions.push_front(std::shared_ptr<const PreparedLayer>(*std::move(prepared)));
     if (versions.size() > kVersionsPerLayer) versions.pop_back();
     return absl::OkStatus();

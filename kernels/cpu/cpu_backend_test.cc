@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -243,6 +244,30 @@ TEST(CpuBackendTest, KeepsThePreviousVersionOfALayer) {
   EXPECT_EQ((*backend)->Run(0, first->layer, in.Request()).code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE((*backend)->Run(0, third->layer, in.Request()).ok());
+}
+
+// The shard prepares a new placement's weights while requests of the old one still run.
+TEST(CpuBackendTest, PrepareWhileRunningThePreviousVersion) {
+  auto old_layer = MakeRandomLayer(SmallSpec());
+  auto new_layer = MakeRandomLayer(SmallSpec());
+  auto backend = MakeCpuBackend({2, "auto"});
+  ASSERT_TRUE(backend.ok());
+  ASSERT_TRUE((*backend)->PrepareLayer(0, old_layer->layer).ok());
+  OwnedRequest want = MakeRandomRequest(old_layer->layer, RandomRequestSpec{9, 2});
+  ASSERT_TRUE(RunExpertsReference(old_layer->layer, want.Request()).ok());
+  std::thread prepare([&] {
+    for (int i = 0; i < 10; ++i) {
+      EXPECT_TRUE((*backend)->PrepareLayer(0, new_layer->layer).ok());  // same weights: replaced
+      EXPECT_TRUE((*backend)->PrepareLayer(1, new_layer->layer).ok());
+    }
+  });
+  for (int i = 0; i < 50; ++i) {
+    OwnedRequest got = want;
+    got.Poison();
+    ASSERT_TRUE((*backend)->Run(0, old_layer->layer, got.Request()).ok()) << i;
+    EXPECT_LE(RelativeError(got, want), 4e-4);
+  }
+  prepare.join();
 }
 
 TEST(CpuBackendTest, InvalidRequestIsInvalidArgument) {

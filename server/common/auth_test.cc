@@ -73,7 +73,9 @@ TEST(RequirementTest, MethodTable) {
     SCOPED_TRACE(c.method);
     const MethodRequirement r = RequirementOf(c.method);
     EXPECT_EQ(r.public_method, c.is_public);
-    if (!c.is_public) EXPECT_EQ(r.role, c.role);
+    if (!c.is_public) {
+      EXPECT_EQ(r.role, c.role);
+    }
   }
   EXPECT_STREQ(RoleName(Role::kInternal), "internal");
   EXPECT_EQ(*ParseRole("admin"), Role::kAdmin);
