@@ -8,12 +8,13 @@
 #                                   # SANITIZE=<gtest filter> adds a compute-sanitizer memcheck;
 #                                   # NCU="64 4096" profiles the first two GEMMs at those sizes
 #
-# .bundle/ is git-ignored; hand it to the device tool as a carried path. The stripped binaries are
+# .bundle/ (or $BUNDLE_DIR, so several bundles can sit side by side) is git-ignored; hand it to the device tool as a carried path. The stripped binaries are
 # ~60 MB (each holds the fatbin), close to the tool's 64 MiB transfer limit, so `make` leaves them
 # as one gzip archive (.bundle/b.tgz, ~15 MB) and `run` unpacks it. Each step is bounded by
 # `timeout` so one hang cannot eat the whole call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+B="${BUNDLE_DIR:-.bundle}"
 mode="${1:-}"
 shift || true
 
@@ -21,44 +22,44 @@ make_bundle() {
   set -e
   bazel build //kernels/cuda:device_test //kernels/cuda:experts_cuda_test \
     //kernels/cuda:staging_cuda_test //bench:kernel_bench //bench:staging_bench
-  rm -rf .bundle && mkdir -p .bundle/lib
-  cp bazel-bin/kernels/cuda/{device_test,experts_cuda_test,staging_cuda_test} .bundle/
-  cp bazel-bin/bench/{kernel_bench,staging_bench} .bundle/
+  rm -rf "$B" && mkdir -p "$B"/lib
+  cp bazel-bin/kernels/cuda/{device_test,experts_cuda_test,staging_cuda_test} "$B"/
+  cp bazel-bin/bench/{kernel_bench,staging_bench} "$B"/
   # Shared libraries outside glibc/libstdc++ (the GPU machine has newer ones of those).
-  ldd .bundle/{device_test,experts_cuda_test,staging_cuda_test,kernel_bench,staging_bench} | awk '/=>/ {print $3}' |
+  ldd "$B"/{device_test,experts_cuda_test,staging_cuda_test,kernel_bench,staging_bench} | awk '/=>/ {print $3}' |
     sort -u | grep -Ev '/(libc|libm|libpthread|libdl|librt|libstdc\+\+|libgcc_s)\.so' |
-    xargs -r cp -L -t .bundle/lib/
-  git rev-parse --short HEAD > .bundle/commit
-  if ! git diff --quiet HEAD -- kernels bench; then echo "+uncommitted" >> .bundle/commit; fi
-  chmod u+w .bundle/*
-  strip .bundle/{device_test,experts_cuda_test,staging_cuda_test,kernel_bench,staging_bench}
-  tar czf /tmp/moe_gpu_bundle.tgz -C .bundle .
-  rm -rf .bundle && mkdir .bundle && mv /tmp/moe_gpu_bundle.tgz .bundle/b.tgz
-  du -sh .bundle
+    xargs -r cp -L -t "$B"/lib/
+  git rev-parse --short HEAD > "$B"/commit
+  if ! git diff --quiet HEAD -- kernels bench; then echo "+uncommitted" >> "$B"/commit; fi
+  chmod u+w "$B"/*
+  strip "$B"/{device_test,experts_cuda_test,staging_cuda_test,kernel_bench,staging_bench}
+  tar czf /tmp/moe_gpu_bundle.tgz -C "$B" .
+  rm -rf "$B" && mkdir "$B" && mv /tmp/moe_gpu_bundle.tgz "$B"/b.tgz
+  du -sh "$B"
 }
 
 run_bundle() {
   local out="${OUT:-/tmp/out}"
   mkdir -p "$out"
-  if [[ -f .bundle/b.tgz && ! -x .bundle/kernel_bench ]]; then tar xzf .bundle/b.tgz -C .bundle; fi
-  export LD_LIBRARY_PATH="$PWD/.bundle/lib:${LD_LIBRARY_PATH:-}"
+  if [[ -f "$B"/b.tgz && ! -x "$B"/kernel_bench ]]; then tar xzf "$B"/b.tgz -C "$B"; fi
+  export LD_LIBRARY_PATH="$PWD/$B/lib:${LD_LIBRARY_PATH:-}"
   local commit
-  commit="$(tr '\n' ' ' < .bundle/commit)"
+  commit="$(tr '\n' ' ' < "$B"/commit)"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu \
     --format=csv | tee "$out/gpu.txt"
-  timeout 60 .bundle/device_test 2>&1 | tail -3
-  timeout 60 .bundle/staging_cuda_test > "$out/staging_cuda_test.log" 2>&1
+  timeout 60 "$B"/device_test 2>&1 | tail -3
+  timeout 60 "$B"/staging_cuda_test > "$out/staging_cuda_test.log" 2>&1
   grep -E "FAILED|PASSED|Failure" "$out/staging_cuda_test.log"
-  timeout 240 .bundle/experts_cuda_test > "$out/experts_cuda_test.log" 2>&1
+  timeout 240 "$B"/experts_cuda_test > "$out/experts_cuda_test.log" 2>&1
   grep -E "FAILED|PASSED|Failure|error" "$out/experts_cuda_test.log"
   awk '/cuda-vs-ref/ {n++; split($5, a, "="); if (a[2] + 0 > m) m = a[2] + 0}
        END {print n " comparisons, max rel_err " m}' "$out/experts_cuda_test.log"
-  timeout 240 .bundle/kernel_bench --commit="$commit" --out_json="$out/kernel_bench.json" "$@" \
+  timeout 240 "$B"/kernel_bench --commit="$commit" --out_json="$out/kernel_bench.json" "$@" \
     2>&1 | tee "$out/kernel_bench.log"
-  timeout 60 .bundle/staging_bench --commit="$commit" --out_json="$out/staging_bench.json" \
+  timeout 60 "$B"/staging_bench --commit="$commit" --out_json="$out/staging_bench.json" \
     2>&1 | tee "$out/staging_bench.log"
   if [[ -n "${SANITIZE:-}" ]] && command -v compute-sanitizer > /dev/null; then
-    timeout 100 compute-sanitizer --tool memcheck .bundle/experts_cuda_test \
+    timeout 100 compute-sanitizer --tool memcheck "$B"/experts_cuda_test \
       --gtest_filter="$SANITIZE" > "$out/memcheck.log" 2>&1
     tail -4 "$out/memcheck.log"
   fi
@@ -67,7 +68,7 @@ run_bundle() {
       timeout 150 ncu --clock-control none --kernel-name regex:GemmKernel --launch-count 2 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
         --section WarpStateStats --section SchedulerStats --section LaunchStats \
-        .bundle/kernel_bench --tokens="$t" --reps=2 --check_tokens=0 --extras_max_tokens=0 \
+        "$B"/kernel_bench --tokens="$t" --reps=2 --check_tokens=0 --extras_max_tokens=0 \
         > "$out/ncu_T$t.txt" 2>&1
       grep -E "GemmKernel|DRAM Throughput|Memory Throughput|Achieved Occupancy|Issue Slots|Stall|Registers|Duration" \
         "$out/ncu_T$t.txt" | head -40
