@@ -147,9 +147,14 @@ class Client {
       return absl::OkStatus();
     }
     if (raw_) {
-      absl::StatusOr<RawForwardReply> r = ForwardRaw(channel_.get(), &ctx, header_, payload_);
+      // The output lands in the caller's own buffer (what a frontend does with its next layer's
+      // input), copied once out of the received slices.
+      output_.resize(payload_.size());
+      absl::StatusOr<v1::ForwardResponse> r = ForwardRawInto(
+          channel_.get(), &ctx, header_, payload_,
+          absl::Span<uint8_t>(reinterpret_cast<uint8_t*>(output_.data()), output_.size()));
       if (!r.ok()) return r.status();
-      return CheckSize(r->output.size());
+      return absl::OkStatus();
     }
     v1::ForwardResponse response;
     grpc::Status s = stub_->Forward(&ctx, full_, &response);
@@ -199,6 +204,7 @@ class Client {
   }
 
   const bool raw_, shm_;
+  std::string output_;  // raw mode: the caller's output buffer, reused
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::ExpertShard::Stub> stub_;
   std::unique_ptr<v1::SharedMemoryShard::Stub> shm_stub_;

@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "grpcpp/grpcpp.h"
 #include "moe/v1/shard.pb.h"
 
@@ -30,6 +31,15 @@ absl::StatusOr<RawForwardReply> ForwardRaw(grpc::ChannelInterface* channel,
                                            grpc::ClientContext* ctx,
                                            const v1::ForwardRequest& header,
                                            absl::string_view hidden_payload);
+
+// The same, copying the output bytes straight from the received slices into `output` (the
+// caller's buffer, e.g. its next layer's input), whose size must equal the output's byte count
+// (INVALID_ARGUMENT otherwise, `output` untouched). Returns the response header.
+absl::StatusOr<v1::ForwardResponse> ForwardRawInto(grpc::ChannelInterface* channel,
+                                                   grpc::ClientContext* ctx,
+                                                   const v1::ForwardRequest& header,
+                                                   absl::string_view hidden_payload,
+                                                   absl::Span<uint8_t> output);
 
 }  // namespace moe
 

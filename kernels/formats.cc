@@ -12,6 +12,10 @@
 
 #include "absl/strings/str_cat.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace moe {
 namespace {
 
@@ -252,6 +256,46 @@ uint16_t FloatToBf16(float x) {
   if (std::isnan(x)) return static_cast<uint16_t>((u >> 16) | 0x0040);
   const uint32_t round_nearest_even = 0x7FFF + ((u >> 16) & 1);
   return static_cast<uint16_t>((u + round_nearest_even) >> 16);
+}
+
+void Bf16ToFloatN(const uint16_t* in, float* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  for (; i + 16 <= n; i += 16) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
+    const __m256i lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), 16);
+    const __m256i hi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 8), hi);
+  }
+#endif
+  for (; i < n; ++i) out[i] = Bf16ToFloat(in[i]);
+}
+
+void FloatToBf16N(const float* in, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  // Eight values per half: round to nearest even on the integer bits, quiet NaNs as the scalar
+  // path does, then narrow 2 x 8 x 32 -> 16 x 16 bits (packus works per 128-bit lane, hence the
+  // permute that puts the lanes back in order).
+  const auto round8 = [](const float* p) {
+    const __m256 x = _mm256_loadu_ps(p);
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i upper = _mm256_srli_epi32(u, 16);
+    const __m256i lsb = _mm256_and_si256(upper, _mm256_set1_epi32(1));
+    const __m256i rounded =
+        _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m256i quiet = _mm256_or_si256(upper, _mm256_set1_epi32(0x0040));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(rounded, quiet, nan);
+  };
+  for (; i + 16 <= n; i += 16) {
+    const __m256i packed = _mm256_packus_epi32(round8(in + i), round8(in + i + 8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm256_permute4x64_epi64(packed, 0xD8));
+  }
+#endif
+  for (; i < n; ++i) out[i] = FloatToBf16(in[i]);
 }
 
 absl::string_view WeightFormatName(WeightFormat f) {

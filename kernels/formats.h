@@ -32,6 +32,10 @@ float Ue8m0ToFloat(uint8_t bits);
 // BF16: upper half of fp32; round-to-nearest-even; NaN stays a (quiet) NaN.
 float Bf16ToFloat(uint16_t bits);
 uint16_t FloatToBf16(float x);
+// The same over n contiguous values (AVX2 where compiled for it); bitwise equal to the scalar
+// functions for every input. The data-plane conversions of whole [T, H] payloads use these.
+void Bf16ToFloatN(const uint16_t* in, float* out, int64_t n);
+void FloatToBf16N(const float* in, uint16_t* out, int64_t n);
 
 // ---- Weight matrices --------------------------------------------------------------------------
 

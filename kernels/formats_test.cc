@@ -203,6 +203,35 @@ TEST(Bf16Test, RoundsToNearestEven) {
   }
 }
 
+// The bulk conversions against the scalar ones: every BF16 code, and a stride through all 2^32
+// fp32 bit patterns (ties, NaNs with any payload, infinities, subnormals), at lengths that leave
+// a scalar tail and at unaligned offsets.
+TEST(Bf16Test, BulkConversionsEqualScalar) {
+  std::vector<uint16_t> codes(65536 + 7);
+  for (size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<uint16_t>(i * 40503u);
+  std::vector<float> decoded(codes.size() + 1, -1.f);
+  Bf16ToFloatN(codes.data() + 1, decoded.data() + 1, static_cast<int64_t>(codes.size()) - 1);
+  EXPECT_EQ(decoded[0], -1.f);
+  for (size_t i = 1; i < codes.size(); ++i) ASSERT_EQ(Bits(decoded[i]), uint32_t{codes[i]} << 16) << i;
+
+  std::vector<float> values;
+  for (uint64_t b = 0; b < (uint64_t{1} << 32); b += 65521) values.push_back(FromBits(static_cast<uint32_t>(b)));
+  for (uint32_t b : {0x3F808000u, 0x3F818000u, 0x7F7FFFFFu, 0x7F800001u, 0xFF800001u, 0xFFFFFFFFu,
+                     0x7FFFFFFFu, 0x00008000u, 0x80018000u}) {
+    values.push_back(FromBits(b));
+  }
+  ASSERT_GT(values.size(), 65536u);
+  for (int64_t len : {int64_t{0}, int64_t{15}, int64_t{16}, int64_t{33}, static_cast<int64_t>(values.size()) - 3}) {
+    std::vector<uint16_t> bulk(values.size(), 0xABCD);
+    FloatToBf16N(values.data() + 3, bulk.data() + 3, len);
+    for (int64_t i = 0; i < 3; ++i) ASSERT_EQ(bulk[i], 0xABCD);
+    for (int64_t i = 0; i < len; ++i) {
+      ASSERT_EQ(bulk[i + 3], FloatToBf16(values[i + 3])) << std::hex << Bits(values[i + 3]);
+    }
+    if (3 + len < static_cast<int64_t>(bulk.size())) ASSERT_EQ(bulk[3 + len], 0xABCD);
+  }
+}
+
 // ---- Weight matrices ----------------------------------------------------------------------------
 
 // A weight matrix with storage of its own.

@@ -1,11 +1,13 @@
 // Tensor views, owning host tensors and the one validation routine every entry point calls.
 #include "kernels/tensor.h"
 
+#include <cstring>
 #include <limits>
 
 #include "absl/algorithm/container.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "glog/logging.h"
 
 namespace moe {
@@ -121,9 +123,99 @@ int64_t TensorView::NumElements() const {
   return n;
 }
 
+namespace {
+
+struct RecycledStorage {
+  absl::Mutex mu;
+  std::vector<std::vector<std::byte, internal::DefaultInitAllocator<std::byte>>> free
+      ABSL_GUARDED_BY(mu);
+  size_t bytes ABSL_GUARDED_BY(mu) = 0;
+};
+
+RecycledStorage& Recycled() {
+  static auto* recycled = new RecycledStorage;
+  return *recycled;
+}
+
+}  // namespace
+
+HostTensor::Storage HostTensor::Allocate(size_t bytes) {
+  Storage storage;
+  if (bytes >= kRecycleMinBytes) {
+    RecycledStorage& r = Recycled();
+    absl::MutexLock lock(&r.mu);
+    // The smallest cached buffer that fits, if it is not more than twice the size asked for.
+    size_t best = r.free.size();
+    for (size_t i = 0; i < r.free.size(); ++i) {
+      const size_t cap = r.free[i].capacity();
+      if (cap >= bytes && cap <= 2 * bytes &&
+          (best == r.free.size() || cap < r.free[best].capacity())) {
+        best = i;
+      }
+    }
+    if (best < r.free.size()) {
+      storage = std::move(r.free[best]);
+      r.free.erase(r.free.begin() + static_cast<std::ptrdiff_t>(best));
+      r.bytes -= storage.capacity();
+    }
+  }
+  storage.resize(bytes);  // default-initializes: no pass over the bytes
+  return storage;
+}
+
+void HostTensor::Recycle(Storage storage) {
+  const size_t cap = storage.capacity();
+  if (cap < kRecycleMinBytes) return;
+  RecycledStorage& r = Recycled();
+  absl::MutexLock lock(&r.mu);
+  // Full: drop the oldest buffers first (they are the least likely to match again).
+  while (!r.free.empty() &&
+         (r.free.size() >= kRecycledBuffers || r.bytes + cap > kRecycledBytes)) {
+    r.bytes -= r.free.front().capacity();
+    r.free.erase(r.free.begin());
+  }
+  if (cap > kRecycledBytes) return;
+  storage.clear();
+  r.bytes += cap;
+  r.free.push_back(std::move(storage));
+}
+
 HostTensor::HostTensor(DType dtype, Shape shape) : dtype_(dtype), shape_(std::move(shape)) {
   for (int64_t d : shape_) CHECK_GE(d, 0) << "HostTensor shape " << ShapeString(shape_);
-  storage_.resize(static_cast<size_t>(view().NumBytes()));
+  storage_ = Allocate(static_cast<size_t>(view().NumBytes()));
+  if (!storage_.empty()) std::memset(storage_.data(), 0, storage_.size());
+}
+
+HostTensor HostTensor::Uninitialized(DType dtype, Shape shape) {
+  HostTensor t;
+  t.dtype_ = dtype;
+  t.shape_ = std::move(shape);
+  for (int64_t d : t.shape_) CHECK_GE(d, 0) << "HostTensor shape " << ShapeString(t.shape_);
+  t.storage_ = Allocate(static_cast<size_t>(t.view().NumBytes()));
+  return t;
+}
+
+HostTensor::~HostTensor() { Recycle(std::move(storage_)); }
+
+HostTensor& HostTensor::operator=(HostTensor&& other) noexcept {
+  if (this != &other) {
+    Recycle(std::move(storage_));
+    dtype_ = other.dtype_;
+    shape_ = std::move(other.shape_);
+    storage_ = std::move(other.storage_);
+    other.storage_ = Storage();
+  }
+  return *this;
+}
+
+HostTensor::HostTensor(const HostTensor& other) : dtype_(other.dtype_), shape_(other.shape_) {
+  storage_ = Allocate(other.storage_.size());
+  if (!storage_.empty()) std::memcpy(storage_.data(), other.storage_.data(), storage_.size());
+}
+
+HostTensor& HostTensor::operator=(const HostTensor& other) {
+  if (this != &other) *this = HostTensor(other);
+  return *this;
 }
 
 absl::Status CheckTensor(const TensorView& t, absl::string_view name, DType dtype,

@@ -11,7 +11,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/inlined_vector.h"
@@ -61,10 +63,53 @@ TensorView MakeView(DType dtype, Shape shape, T* data) {
 }
 
 // Owning, zero-initialized host tensor.
+namespace internal {
+
+// std::allocator value-initializes elements on resize; this one default-initializes them (leaves
+// bytes as they are), for HostTensor::Uninitialized.
+template <typename T>
+struct DefaultInitAllocator : std::allocator<T> {
+  using value_type = T;
+  template <typename U>
+  struct rebind {
+    using other = DefaultInitAllocator<U>;
+  };
+  DefaultInitAllocator() = default;
+  template <typename U>
+  DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+
+}  // namespace internal
+
+// Owning host tensor. Storage of 1 MiB and more is recycled through a process-wide cache when a
+// tensor is destroyed (at most kRecycledBuffers buffers, kRecycledBytes bytes): request staging and
+// output buffers of the same sizes come back every call, and fresh multi-megabyte allocations are
+// mmapped by malloc (always above 64 MiB on non-main arenas) and page-faulted again on each use.
 class HostTensor {
  public:
+  static constexpr size_t kRecycleMinBytes = size_t{1} << 20;
+  static constexpr size_t kRecycledBuffers = 16;
+  static constexpr size_t kRecycledBytes = size_t{1} << 30;
+
   HostTensor() = default;
+  ~HostTensor();
+  HostTensor(HostTensor&&) noexcept = default;
+  HostTensor& operator=(HostTensor&& other) noexcept;
+  HostTensor(const HostTensor& other);
+  HostTensor& operator=(const HostTensor& other);
+  // Zero-filled.
   HostTensor(DType dtype, Shape shape);
+  // Contents left indeterminate: for buffers the caller overwrites entirely (staging and output
+  // buffers of multi-megabyte requests, where zero-filling costs as much as the copy itself).
+  static HostTensor Uninitialized(DType dtype, Shape shape);
 
   TensorView view() const {
     return TensorView{dtype_, shape_, const_cast<std::byte*>(storage_.data())};
@@ -82,9 +127,14 @@ class HostTensor {
   int64_t NumElements() const { return view().NumElements(); }
 
  private:
+  using Storage = std::vector<std::byte, internal::DefaultInitAllocator<std::byte>>;
+  // Storage of `bytes` bytes, indeterminate contents (recycled when one fits).
+  static Storage Allocate(size_t bytes);
+  static void Recycle(Storage storage);
+
   DType dtype_ = DType::kF32;
   Shape shape_;
-  std::vector<std::byte> storage_;
+  Storage storage_;
 };
 
 // Wildcard dimension for CheckTensor.

@@ -30,6 +30,17 @@ class SliceCursor {
     }
   }
 
+  // The unread bytes, as ranges inside the slices.
+  void Rest(std::vector<absl::string_view>* pieces) const {
+    for (size_t i = index_; i < slices_.size(); ++i) {
+      const size_t from = i == index_ ? offset_ : 0;
+      if (slices_[i].size() > from) {
+        pieces->emplace_back(reinterpret_cast<const char*>(slices_[i].begin()) + from,
+                             slices_[i].size() - from);
+      }
+    }
+  }
+
  private:
   const std::vector<grpc::Slice>& slices_;
   size_t index_ = 0;
@@ -50,9 +61,31 @@ grpc::ByteBuffer EncodeRawFrame(const google::protobuf::MessageLite& header, grp
   return grpc::ByteBuffer(slices, 2);
 }
 
+absl::string_view RawPayload::Contiguous() {
+  if (pieces_.size() == 1) return pieces_[0];
+  if (size_ == 0) return absl::string_view();
+  if (copy_ == nullptr) {
+    copy_.reset(new char[size_]);  // uninitialized: CopyTo writes every byte
+    CopyTo(copy_.get());
+  }
+  return absl::string_view(copy_.get(), size_);
+}
+
+void RawPayload::CopyTo(void* dst) const {
+  auto* out = static_cast<char*>(dst);
+  for (absl::string_view piece : pieces_) {
+    std::memcpy(out, piece.data(), piece.size());
+    out += piece.size();
+  }
+}
+
 absl::Status DecodeRawFrame(const grpc::ByteBuffer& frame, google::protobuf::MessageLite* header,
-                            std::string* payload) {
-  std::vector<grpc::Slice> slices;
+                            RawPayload* payload) {
+  std::vector<grpc::Slice>& slices = payload->slices_;
+  slices.clear();
+  payload->pieces_.clear();
+  payload->copy_.reset();
+  payload->size_ = 0;
   if (grpc::Status s = frame.Dump(&slices); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("raw frame unreadable: ", s.error_message()));
   }
@@ -78,8 +111,17 @@ absl::Status DecodeRawFrame(const grpc::ByteBuffer& frame, google::protobuf::Mes
         absl::StrCat("raw frame header (", header_len, " bytes) is not a valid ",
                      header->GetTypeName()));
   }
-  payload->resize(rest - header_len);
-  cursor.Read(payload->size(), payload->data());
+  payload->size_ = rest - header_len;
+  cursor.Rest(&payload->pieces_);
+  return absl::OkStatus();
+}
+
+absl::Status DecodeRawFrame(const grpc::ByteBuffer& frame, google::protobuf::MessageLite* header,
+                            std::string* payload) {
+  RawPayload raw;
+  if (absl::Status s = DecodeRawFrame(frame, header, &raw); !s.ok()) return s;
+  payload->resize(raw.size());
+  raw.CopyTo(payload->data());
   return absl::OkStatus();
 }
 

@@ -24,9 +24,12 @@
 #define MOE_SERVER_COMMON_RAW_FRAME_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "google/protobuf/message_lite.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/slice.h"
@@ -39,8 +42,32 @@ inline constexpr size_t kRawFramePrefixBytes = 4;
 // The frame of `header` followed by `payload` (two or three slices; `payload` is referenced).
 grpc::ByteBuffer EncodeRawFrame(const google::protobuf::MessageLite& header, grpc::Slice payload);
 
-// Parses `frame` into `header` and copies its payload into `payload` (the one copy of the
-// receiving side). INVALID_ARGUMENT naming the defect for any malformed frame.
+// The payload of a received frame, not copied: references to the frame's slices (which stay
+// alive as long as this object) and the byte ranges in them.
+class RawPayload {
+ public:
+  size_t size() const { return size_; }
+  // The payload as one contiguous range: the slice memory itself when the payload lies in one
+  // slice (what gRPC delivers for most frames it did not have to reassemble), else one copy
+  // (made on the first call, kept).
+  absl::string_view Contiguous();
+  // Copies the payload to `dst` (size() bytes).
+  void CopyTo(void* dst) const;
+
+ private:
+  friend absl::Status DecodeRawFrame(const grpc::ByteBuffer&, google::protobuf::MessageLite*,
+                                     RawPayload*);
+  std::vector<grpc::Slice> slices_;
+  std::vector<absl::string_view> pieces_;
+  size_t size_ = 0;
+  std::unique_ptr<char[]> copy_;
+};
+
+// Parses `frame` into `header` and references its payload in `payload`. INVALID_ARGUMENT naming
+// the defect for any malformed frame.
+absl::Status DecodeRawFrame(const grpc::ByteBuffer& frame, google::protobuf::MessageLite* header,
+                            RawPayload* payload);
+// The same, copying the payload into `payload`.
 absl::Status DecodeRawFrame(const grpc::ByteBuffer& frame, google::protobuf::MessageLite* header,
                             std::string* payload);
 

@@ -50,7 +50,14 @@ v1::DType ToWireDType(DType dtype) {
 }
 
 absl::StatusOr<TensorView> ViewOf(const v1::Tensor& t, absl::string_view field) {
-  if (IsUnset(t)) return TensorView{DType::kF32, {}, nullptr};
+  return ViewOf(t, field, absl::string_view(t.data()));
+}
+
+absl::StatusOr<TensorView> ViewOf(const v1::Tensor& t, absl::string_view field,
+                                  absl::string_view data) {
+  if (t.dtype() == v1::DTYPE_UNSPECIFIED && t.shape_size() == 0 && data.empty()) {
+    return TensorView{DType::kF32, {}, nullptr};
+  }
   absl::StatusOr<DType> dtype = FromWireDType(t.dtype(), field);
   if (!dtype.ok()) return dtype.status();
   TensorView view{*dtype, {}, nullptr};
@@ -68,12 +75,12 @@ absl::StatusOr<TensorView> ViewOf(const v1::Tensor& t, absl::string_view field) 
     view.shape.push_back(d);
   }
   const int64_t expected = elements * static_cast<int64_t>(DTypeSize(*dtype));
-  if (static_cast<int64_t>(t.data().size()) != expected) {
+  if (static_cast<int64_t>(data.size()) != expected) {
     return absl::InvalidArgumentError(
-        absl::StrCat(field, ": ", t.data().size(), " bytes of data for ", DTypeName(*dtype),
+        absl::StrCat(field, ": ", data.size(), " bytes of data for ", DTypeName(*dtype),
                      ShapeString(view.shape), ", expected ", expected));
   }
-  view.data = const_cast<char*>(t.data().data());
+  view.data = const_cast<char*>(data.data());
   return view;
 }
 

@@ -24,6 +24,10 @@ v1::DType ToWireDType(DType dtype);
 // A view over `t.data()` (read-only use intended). An unset tensor (no dtype, no shape, no data)
 // yields a view with data == nullptr and rank 0 so callers can treat it as absent.
 absl::StatusOr<TensorView> ViewOf(const v1::Tensor& t, absl::string_view field);
+// The same with the bytes taken from `data` instead of t.data() (which is ignored): the payload of
+// a raw frame or a shared-memory range, described by the message's dtype and shape.
+absl::StatusOr<TensorView> ViewOf(const v1::Tensor& t, absl::string_view field,
+                                  absl::string_view data);
 
 // True when the client left the tensor unset.
 inline bool IsUnset(const v1::Tensor& t) {

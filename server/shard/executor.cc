@@ -10,7 +10,8 @@ namespace {
 
 bool SameBatch(const WorkItem& a, const WorkItem& b) {
   return a.layer == b.layer && a.layer_index == b.layer_index &&
-         a.local_ids.dim(1) == b.local_ids.dim(1) &&
+         a.local_ids.dim(1) == b.local_ids.dim(1) && a.hidden.dtype == b.hidden.dtype &&
+         a.out.dtype == b.out.dtype &&
          a.shared_mask.present() == b.shared_mask.present();
 }
 
@@ -153,8 +154,12 @@ absl::Status Executor::RunBatch(const std::vector<Pending*>& batch) {
     mask.push_back(&p->item->shared_mask);
   }
   const int64_t h = first.hidden.dim(1), k = first.local_ids.dim(1);
-  HostTensor all_hidden(DType::kF32, {tokens, h}), all_ids(DType::kI32, {tokens, k}),
-      all_weights(DType::kF32, {tokens, k}), all_out(DType::kF32, {tokens, h}), all_mask;
+  // Every buffer is overwritten entirely (rows copied in, the backend writes every output).
+  HostTensor all_hidden = HostTensor::Uninitialized(first.hidden.dtype, {tokens, h});
+  HostTensor all_ids = HostTensor::Uninitialized(DType::kI32, {tokens, k});
+  HostTensor all_weights = HostTensor::Uninitialized(DType::kF32, {tokens, k});
+  HostTensor all_out = HostTensor::Uninitialized(first.out.dtype, {tokens, h});
+  HostTensor all_mask;
   CopyRows(hidden, all_hidden);
   CopyRows(ids, all_ids);
   CopyRows(weights, all_weights);

@@ -1,5 +1,6 @@
 #include "server/shard/raw_forward.h"
 
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -12,7 +13,7 @@
 namespace moe {
 namespace {
 
-void DeleteString(void* p) { delete static_cast<std::string*>(p); }
+void DeleteTensor(void* p) { delete static_cast<HostTensor*>(p); }
 
 }  // namespace
 
@@ -34,20 +35,30 @@ grpc::Status RawForwardService::ForwardRaw(grpc::ServerContext*, const grpc::Byt
 
 absl::Status RawForwardService::Serve(const grpc::ByteBuffer& frame, grpc::ByteBuffer* out) {
   v1::ForwardRequest request;
-  std::string payload;
+  RawPayload payload;
   if (absl::Status s = DecodeRawFrame(frame, &request, &payload); !s.ok()) return s;
   if (!request.hidden_states().data().data().empty()) {
     return absl::InvalidArgumentError(
         "hidden_states.data.data: must be empty in a ForwardRaw header (the payload follows it)");
   }
-  request.mutable_hidden_states()->mutable_data()->set_data(std::move(payload));
+  // The output is converted straight into a (recycled) buffer the response slice then owns.
+  std::unique_ptr<HostTensor> output;
+  ForwardIo io;
+  io.hidden_payload = payload.Contiguous();
+  io.output_buffer = [&](size_t bytes) -> absl::StatusOr<absl::Span<uint8_t>> {
+    output = std::make_unique<HostTensor>(
+        HostTensor::Uninitialized(DType::kU8, {static_cast<int64_t>(bytes)}));
+    return absl::Span<uint8_t>(output->data<uint8_t>(), bytes);
+  };
   v1::ForwardResponse response;
-  if (absl::Status s = shard_->ServeForward(request, &response); !s.ok()) return s;
-  // The output string moves to the heap and the response slice owns it from here.
-  auto* output = new std::string(std::move(*response.mutable_output()->mutable_data()));
-  response.mutable_output()->clear_data();
-  *out = EncodeRawFrame(response, grpc::Slice(output->data(), output->size(), &DeleteString,
-                                              output));
+  if (absl::Status s = shard_->ServeForward(request, &response, io); !s.ok()) return s;
+  if (output == nullptr || output->NumElements() == 0) {
+    *out = EncodeRawFrame(response, grpc::Slice());
+    return absl::OkStatus();
+  }
+  const size_t bytes = static_cast<size_t>(output->NumElements());
+  HostTensor* owned = output.release();
+  *out = EncodeRawFrame(response, grpc::Slice(owned->data<uint8_t>(), bytes, &DeleteTensor, owned));
   return absl::OkStatus();
 }
 

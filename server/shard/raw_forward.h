@@ -1,9 +1,10 @@
 // RawForwardService: the raw-buffer Forward of an expert shard (framing: server/common/
 // raw_frame.h). It receives the request as a grpc::ByteBuffer (no protobuf parse of the hidden
-// states), copies the payload once into the request's staging string, runs it through
+// states), reads the payload where gRPC received it (one copy only when it arrived split over
+// several slices) and converts it once into the F32 staging tensor, runs it through
 // ExpertShardService::ServeForward (the same validation, batching, load counting and metrics as
-// Forward), and answers with a frame whose payload slice wraps the output buffer itself (freed by
-// gRPC when sent), so the output is never copied either.
+// Forward), and answers with a frame whose payload slice wraps the buffer the output was
+// converted into (freed by gRPC when sent), so the output is never copied either.
 //
 // Register it on the same grpc::ServerBuilder as the ExpertShardService (moe_shard does).
 // Thread-safety: handlers run concurrently on gRPC's sync threads. Ownership: borrows `shard`,

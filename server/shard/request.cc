@@ -22,9 +22,17 @@ absl::Status Prefix(absl::Status s, absl::string_view prefix) {
   return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
 }
 
-// Hidden states in any accepted form -> F32 [T, H].
-absl::StatusOr<HostTensor> DecodeHidden(const v1::HiddenStates& hs, int64_t hidden) {
-  MOE_ASSIGN_OR_RETURN_VIEW(data, ViewOf(hs.data(), "hidden_states.data"));
+// Hidden states in any accepted form -> staged.hidden: F32 / BF16 payloads as they are, quantized
+// ones dequantized into staged.decoded_hidden (F32 [T, H]).
+absl::Status StageHidden(const v1::HiddenStates& hs, int64_t hidden,
+                         std::optional<absl::string_view> payload, StagedRequest& staged) {
+  if (payload.has_value() && !hs.data().data().empty()) {
+    return absl::InvalidArgumentError(
+        "hidden_states.data.data: must be empty when the payload travels outside the message");
+  }
+  MOE_ASSIGN_OR_RETURN_VIEW(data, payload.has_value()
+                                      ? ViewOf(hs.data(), "hidden_states.data", *payload)
+                                      : ViewOf(hs.data(), "hidden_states.data"));
   MOE_ASSIGN_OR_RETURN_VIEW(scales, ViewOf(hs.scales(), "hidden_states.scales"));
   MOE_ASSIGN_OR_RETURN_VIEW(token_scale, ViewOf(hs.token_scale(), "hidden_states.token_scale"));
   if (data.rank() != 2) {
@@ -34,7 +42,7 @@ absl::StatusOr<HostTensor> DecodeHidden(const v1::HiddenStates& hs, int64_t hidd
   const int64_t t = data.dim(0);
   // [T, H] is allocated only after the payload's width matches H: a zero-width payload carries
   // no bytes, so until then nothing bounds T.
-  HostTensor out;
+  HostTensor& out = staged.decoded_hidden;
   switch (hs.format()) {
     case v1::ACTIVATION_F32:
     case v1::ACTIVATION_BF16: {
@@ -42,38 +50,35 @@ absl::StatusOr<HostTensor> DecodeHidden(const v1::HiddenStates& hs, int64_t hidd
       if (absl::Status s = CheckTensor(data, "hidden_states.data", want, {t, hidden}); !s.ok()) {
         return s;
       }
-      out = HostTensor(DType::kF32, {t, hidden});
-      float* dst = out.data<float>();
-      for (int64_t i = 0; i < t * hidden; ++i) {
-        dst[i] = want == DType::kF32 ? data.As<const float>()[i]
-                                     : Bf16ToFloat(data.As<const uint16_t>()[i]);
-      }
-      return out;
+      staged.hidden = data;
+      return absl::OkStatus();
     }
     case v1::ACTIVATION_MXFP8:
       if (data.dim(1) != hidden) {
         return absl::InvalidArgumentError(
             absl::StrCat("hidden_states.data: H = ", data.dim(1), ", model has ", hidden));
       }
-      out = HostTensor(DType::kF32, {t, hidden});
+      out = HostTensor::Uninitialized(DType::kF32, {t, hidden});
       if (absl::Status s = Prefix(DequantizeMxfp8(data, scales, out.view()), "hidden_states: ");
           !s.ok()) {
         return s;
       }
-      return out;
+      staged.hidden = out.view();
+      return absl::OkStatus();
     case v1::ACTIVATION_NVFP4:
       if (data.dim(1) * 2 != hidden) {
         return absl::InvalidArgumentError(absl::StrCat("hidden_states.data: NVFP4 payload has ",
                                                        data.dim(1),
                                                        " bytes per token, model H = ", hidden));
       }
-      out = HostTensor(DType::kF32, {t, hidden});
+      out = HostTensor::Uninitialized(DType::kF32, {t, hidden});
       if (absl::Status s = Prefix(DequantizeNvfp4PerToken(data, scales, token_scale, out.view()),
                                   "hidden_states: ");
           !s.ok()) {
         return s;
       }
-      return out;
+      staged.hidden = out.view();
+      return absl::OkStatus();
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("hidden_states.format: unknown format ", static_cast<int>(hs.format())));
@@ -149,7 +154,8 @@ absl::Status StageTopk(const v1::ForwardRequest& req, const ServedModel& model, 
 
 absl::StatusOr<StagedRequest> StageForwardRequest(const v1::ForwardRequest& req,
                                                   const ServedModel& model,
-                                                  const ShardPlacement& placement) {
+                                                  const ShardPlacement& placement,
+                                                  std::optional<absl::string_view> hidden_payload) {
   if (req.layer() >= static_cast<uint32_t>(model.num_layers)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "layer ", req.layer(), " unknown: the model has ", model.num_layers, " MoE layers"));
@@ -167,10 +173,11 @@ absl::StatusOr<StagedRequest> StageForwardRequest(const v1::ForwardRequest& req,
     default:
       return absl::InvalidArgumentError("output_dtype: must be F32 or BF16");
   }
-  absl::StatusOr<HostTensor> hidden = DecodeHidden(req.hidden_states(), model.hidden);
-  if (!hidden.ok()) return hidden.status();
-  staged.hidden = *std::move(hidden);
-  const int64_t t = staged.hidden.shape()[0];
+  if (absl::Status s = StageHidden(req.hidden_states(), model.hidden, hidden_payload, staged);
+      !s.ok()) {
+    return s;
+  }
+  const int64_t t = staged.hidden.dim(0);
   staged.num_tokens = t;
   HostTensor ids, weights;
   if (absl::Status s = StageTopk(req, model, t, staged, ids, weights); !s.ok()) return s;

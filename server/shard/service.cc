@@ -1,6 +1,8 @@
 #include "server/shard/service.h"
 
 #include <algorithm>
+#include <cstring>
+#include <string>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -15,21 +17,24 @@
 namespace moe {
 namespace {
 
-// F32 [T, H] result -> the requested wire dtype.
-void WriteOutput(const HostTensor& out, DType dtype, v1::Tensor* wire) {
-  if (dtype == DType::kF32) {
-    ToWire(out.view(), wire);
-    return;
-  }
-  const int64_t n = out.NumElements();
-  wire->set_dtype(v1::BF16);
+// Sets the wire output's dtype and shape and returns where its bytes go: the buffer `io` names, or
+// the response's own data (zero-filled by the resize; protobuf 3.21 cannot adopt a buffer).
+absl::StatusOr<absl::Span<uint8_t>> OutputBytes(DType dtype, int64_t tokens, int64_t hidden,
+                                                const ForwardIo& io, v1::Tensor* wire,
+                                                bool* zeroed) {
+  wire->set_dtype(ToWireDType(dtype));
   wire->clear_shape();
-  for (int64_t d : out.shape()) wire->add_shape(d);
-  std::string* bytes = wire->mutable_data();
-  bytes->resize(n * sizeof(uint16_t));
-  auto* dst = reinterpret_cast<uint16_t*>(bytes->data());
-  const float* src = out.data<float>();
-  for (int64_t i = 0; i < n; ++i) dst[i] = FloatToBf16(src[i]);
+  wire->add_shape(tokens);
+  wire->add_shape(hidden);
+  const size_t bytes = static_cast<size_t>(tokens * hidden) * DTypeSize(dtype);
+  if (io.output_buffer) {
+    *zeroed = false;
+    return io.output_buffer(bytes);
+  }
+  std::string* data = wire->mutable_data();
+  data->resize(bytes);
+  *zeroed = true;
+  return absl::Span<uint8_t>(reinterpret_cast<uint8_t*>(data->data()), bytes);
 }
 
 }  // namespace
@@ -130,7 +135,8 @@ absl::StatusOr<std::shared_ptr<const ExpertShardService::Snapshot>> ExpertShardS
 }
 
 absl::Status ExpertShardService::DoForward(const v1::ForwardRequest& request,
-                                           v1::ForwardResponse* response, absl::Time deadline) {
+                                           v1::ForwardResponse* response, absl::Time deadline,
+                                           const ForwardIo& io) {
   if (draining_.load()) return absl::UnavailableError("shard is draining");
   const ServedModel& model = source_->model();
   if (!request.model_fingerprint().empty() && request.model_fingerprint() != model.fingerprint) {
@@ -141,27 +147,38 @@ absl::Status ExpertShardService::DoForward(const v1::ForwardRequest& request,
   absl::StatusOr<std::shared_ptr<const Snapshot>> snapshot = SnapshotFor(request.map_version());
   if (!snapshot.ok()) return snapshot.status();
   const ShardPlacement& placement = *(*snapshot)->placement;
-  absl::StatusOr<StagedRequest> staged = StageForwardRequest(request, model, placement);
+  absl::StatusOr<StagedRequest> staged =
+      StageForwardRequest(request, model, placement, io.hidden_payload);
   if (!staged.ok()) return staged.status();
   load_.Record(placement, staged->layer, staged->physical_ids.view());
-  HostTensor out(DType::kF32, {staged->num_tokens, model.hidden});
   const std::vector<LayerWeights>& layers = (*snapshot)->layers;
-  WorkItem item{staged->layer,
-                layers.empty() ? nullptr : layers[staged->layer].get(),
-                staged->hidden.view(),
-                staged->local_ids.view(),
-                staged->weights.view(),
-                staged->shared_mask.NumElements() > 0 ? staged->shared_mask.view() : TensorView{},
-                out.view()};
-  item.deadline = deadline;
-  // A shard hosting no slot has no route to compute: its output stays zero.
-  if (staged->num_tokens > 0 && item.layer != nullptr) {
+  // The backend writes the output in its wire dtype straight into its final place (the response,
+  // a raw frame's buffer, a shared-memory range). A shard hosting no slot has no route to
+  // compute: its output is zeros.
+  bool zeroed = false;
+  absl::StatusOr<absl::Span<uint8_t>> out_bytes =
+      OutputBytes(staged->out_dtype, staged->num_tokens, model.hidden, io,
+                  response->mutable_output(), &zeroed);
+  if (!out_bytes.ok()) return out_bytes.status();
+  const TensorView out{staged->out_dtype, {staged->num_tokens, model.hidden}, out_bytes->data()};
+  const bool compute =
+      staged->num_tokens > 0 && !layers.empty() && layers[staged->layer] != nullptr;
+  if (compute) {
+    WorkItem item{staged->layer,
+                  layers[staged->layer].get(),
+                  staged->hidden,
+                  staged->local_ids.view(),
+                  staged->weights.view(),
+                  staged->shared_mask.NumElements() > 0 ? staged->shared_mask.view() : TensorView{},
+                  out};
+    item.deadline = deadline;
     if (absl::Status s = executor_.Run(item); !s.ok()) return s;
+  } else if (!zeroed && !out_bytes->empty()) {
+    std::memset(out_bytes->data(), 0, out_bytes->size());
   }
   response->set_request_id(request.request_id());
   response->set_map_version(placement.version());
   response->set_batch_tokens(static_cast<uint32_t>(staged->num_tokens));
-  WriteOutput(out, staged->out_dtype, response->mutable_output());
   if (request.return_routing() && staged->routed_ids.NumElements() > 0) {
     ToWire(staged->routed_ids.view(), response->mutable_topk_ids());
     ToWire(staged->routed_weights.view(), response->mutable_topk_weights());
@@ -180,9 +197,10 @@ void ExpertShardService::Observe(const v1::ForwardRequest& request,
 }
 
 absl::Status ExpertShardService::ServeForward(const v1::ForwardRequest& request,
-                                              v1::ForwardResponse* response) {
+                                              v1::ForwardResponse* response,
+                                              const ForwardIo& io) {
   const absl::Time start = absl::Now();
-  const absl::Status status = DoForward(request, response);
+  const absl::Status status = DoForward(request, response, absl::InfiniteFuture(), io);
   Observe(request, *response, status, start);
   return status;
 }

@@ -11,14 +11,19 @@
 #define MOE_SERVER_SHARD_SERVICE_H_
 
 #include <atomic>
+#include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/backend.h"
 #include "moe/v1/shard.grpc.pb.h"
@@ -29,6 +34,16 @@
 #include "server/shard/weights.h"
 
 namespace moe {
+
+// Where a Forward's tensor bytes are when they do not travel inside the protobuf messages (raw
+// frames, shared memory). Default: inside the messages.
+struct ForwardIo {
+  // The hidden-state bytes (the request's hidden_states.data.data must then be empty).
+  std::optional<absl::string_view> hidden_payload;
+  // Called once with the output's byte count; returns where those bytes go (exactly that many).
+  // The response's output then carries dtype and shape only. Unset: response->output.data.
+  std::function<absl::StatusOr<absl::Span<uint8_t>>(size_t bytes)> output_buffer;
+};
 
 struct ShardIdentity {
   std::string shard_id;
@@ -71,9 +86,10 @@ class ExpertShardService final : public v1::ExpertShard::Service {
   absl::Status HandOffLoad(absl::FunctionRef<absl::Status(v1::LoadDelta)> send)
       ABSL_LOCKS_EXCLUDED(handoff_mu_);
 
-  // Forward without the gRPC wrapper: validates, runs and reports one request (the raw-buffer
-  // method, raw_forward.h, calls it with the payload moved into the request).
-  absl::Status ServeForward(const v1::ForwardRequest& request, v1::ForwardResponse* response);
+  // Forward without the gRPC wrapper: validates, runs and reports one request (the raw-buffer and
+  // shared-memory methods call it with their payload and output buffers in `io`).
+  absl::Status ServeForward(const v1::ForwardRequest& request, v1::ForwardResponse* response,
+                            const ForwardIo& io = ForwardIo());
 
   grpc::Status Forward(grpc::ServerContext* ctx, const v1::ForwardRequest* request,
                        v1::ForwardResponse* response) override;
@@ -96,7 +112,8 @@ class ExpertShardService final : public v1::ExpertShard::Service {
   v1::LoadDelta TakeLoadDelta() ABSL_EXCLUSIVE_LOCKS_REQUIRED(handoff_mu_);
   // `deadline`: the call's; the executor drops the request unrun once it has passed.
   absl::Status DoForward(const v1::ForwardRequest& request, v1::ForwardResponse* response,
-                         absl::Time deadline = absl::InfiniteFuture());
+                         absl::Time deadline = absl::InfiniteFuture(),
+                         const ForwardIo& io = ForwardIo());
   // An admission ticket for one request of the caller of `ctx` (always granted without quotas).
   absl::StatusOr<AdmissionController::Ticket> Admit(const grpc::ServerContext& ctx);
   // Reports one finished Forward request to the observer, if any.

@@ -58,17 +58,18 @@ absl::Status ShmForwardService::DoForward(const v1::ShmForwardRequest& shm,
         "output: range [", out_ref.offset(), ", +", out_ref.length(),
         ") overlaps the hidden_states range [", in_ref.offset(), ", +", in_ref.length(), ")"));
   }
-  v1::ForwardRequest request = shm.request();
-  request.mutable_hidden_states()->mutable_data()->set_data(
-      std::string(reinterpret_cast<const char*>(in->data()), in->size()));
-  if (absl::Status s = shard_->ServeForward(request, response); !s.ok()) return s;
-  const std::string& bytes = response->output().data();
-  if (bytes.size() != out->size()) {
-    return absl::InvalidArgumentError(absl::StrCat("output: range of ", out->size(),
-                                                   " bytes, the output has ", bytes.size()));
-  }
-  std::memcpy(out->data(), bytes.data(), bytes.size());
-  response->mutable_output()->clear_data();
+  // The hidden states are read in place and the output written in place: the shard's only
+  // passes over the bytes are the conversions into and out of its F32 staging tensors.
+  ForwardIo io;
+  io.hidden_payload = absl::string_view(reinterpret_cast<const char*>(in->data()), in->size());
+  io.output_buffer = [&](size_t bytes) -> absl::StatusOr<absl::Span<uint8_t>> {
+    if (bytes != out->size()) {
+      return absl::InvalidArgumentError(absl::StrCat("output: range of ", out->size(),
+                                                     " bytes, the output has ", bytes));
+    }
+    return *out;
+  };
+  if (absl::Status s = shard_->ServeForward(shm.request(), response, io); !s.ok()) return s;
   return absl::OkStatus();
 }
 

@@ -1,8 +1,9 @@
 // ShmForwardService: the same-host shared-memory face of an expert shard
-// (proto/moe/v1/shm.proto). Forward reads the hidden states from a registered region (one copy,
-// into the request's staging string), runs the request through ExpertShardService::ServeForward
-// (same validation, batching, load counting and metrics as Forward) and writes the output bytes
-// into the region range the request named. Region ranges are validated by ShmRegistry.
+// (proto/moe/v1/shm.proto). Forward reads the hidden states in place from a registered region
+// (converted once into the F32 staging tensor), runs the request through
+// ExpertShardService::ServeForward (same validation, batching, load counting and metrics as
+// Forward) and converts the output straight into the region range the request named. Region
+// ranges are validated by ShmRegistry.
 //
 // Register it beside the ExpertShardService (moe_shard does with --shared_memory; it maps
 // whatever object a caller names, so only enable it where the callers are trusted local

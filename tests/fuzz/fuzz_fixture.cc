@@ -92,12 +92,12 @@ void CheckHidden(const v1::ForwardRequest& req, const StagedRequest& staged) {
   const v1::HiddenStates& hs = req.hidden_states();
   const int64_t n = staged.num_tokens * kHidden;
   for (int64_t i = 0; i < n; ++i) {
-    const float got = staged.hidden.data<float>()[i];
     if (hs.format() == v1::ACTIVATION_F32) {
-      Expect(SameBits(got, WireAt<float>(hs.data(), i)), "F32 hidden state not copied bit-exactly");
+      Expect(SameBits(staged.hidden.As<const float>()[i], WireAt<float>(hs.data(), i)),
+             "F32 hidden state not staged bit-exactly");
     } else if (hs.format() == v1::ACTIVATION_BF16) {
-      Expect(SameBits(got, Bf16BitsToFloat(WireAt<uint16_t>(hs.data(), i))),
-             "BF16 hidden state not widened exactly");
+      Expect(staged.hidden.As<const uint16_t>()[i] == WireAt<uint16_t>(hs.data(), i),
+             "BF16 hidden state not staged bit-exactly");
     }
   }
 }
@@ -159,7 +159,11 @@ void CheckStagedInvariants(const v1::ForwardRequest& req, const ServedModel& mod
   Expect(staged.out_dtype == (req.output_dtype() == v1::F32 ? DType::kF32 : DType::kBF16),
          "output dtype differs from request");
   const int64_t t = staged.num_tokens;
-  ExpectShape(staged.hidden, DType::kF32, {t, model.hidden}, "hidden");
+  // F32 / BF16 payloads are staged as they came, quantized ones dequantized to F32.
+  const DType hidden_dtype =
+      req.hidden_states().format() == v1::ACTIVATION_BF16 ? DType::kBF16 : DType::kF32;
+  Expect(staged.hidden.dtype == hidden_dtype && staged.hidden.shape == Shape{t, model.hidden},
+         "hidden: staged with the wrong dtype or shape");
   Expect(staged.physical_ids.shape().size() == 2, "physical_ids is not [T, K]");
   const int64_t k = staged.physical_ids.shape()[1];
   Expect(k >= 1 && k <= model.num_experts, "K outside [1, E]");
