@@ -1,10 +1,11 @@
 // rpc_bench: transport cost of a shard Forward (performance.md, transport section): the protobuf
-// `bytes` path, the raw-buffer ForwardRaw path and the same-host shared-memory path, against an
-// in-process shard on loopback.
+// `bytes` path, the raw-buffer ForwardRaw path, the same-host shared-memory Forward and the
+// shared-memory request channel (no gRPC call per request), against an in-process shard on
+// loopback.
 //
 // Compute is excluded: every route is -1 (no expert hosted for it), so the shard validates,
-// stages (BF16 -> F32), counts load and answers zeros without a GEMM; what is measured is
-// transport + staging. Sweep: payload 1 token .. 64 MiB of BF16 hidden states (H = --hidden),
+// stages (BF16 hidden states in place), counts load and writes zero rows into the output's final
+// place without a GEMM; what is measured is transport + staging. Sweep: payload 1 token .. 64 MiB of BF16 hidden states (H = --hidden),
 // 1 .. 64 concurrent clients (each with its own connection; clients * payload is capped by
 // --max_inflight_mib). Reported per case: p50/p99 latency and effective GB/s = (request payload
 // + response payload bytes) * calls / wall time. The ceiling, measured in the same run: raw TCP
@@ -40,6 +41,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/raw_forward.h"
+#include "client/shm_channel.h"
 #include "moe/v1/shard.grpc.pb.h"
 #include "moe/v1/shm.grpc.pb.h"
 #include "nlohmann/json.hpp"
@@ -51,11 +53,13 @@ ABSL_FLAG(std::string, out_json, "", "JSON output (default bench/results/rpc_ben
 ABSL_FLAG(int64_t, hidden, 2048, "hidden size H of the generated model (BF16: 2H bytes/token)");
 ABSL_FLAG(std::string, tokens, "1,16,256,1024,4096,16384", "tokens per request, comma-separated");
 ABSL_FLAG(std::string, clients, "1,4,16,64", "concurrent clients, comma-separated");
-ABSL_FLAG(std::string, modes, "proto,raw,shm",
-          "proto (Forward), raw (ForwardRaw), shm (SharedMemoryShard.Forward)");
+ABSL_FLAG(std::string, modes, "proto,raw,shm,channel",
+          "proto (Forward), raw (ForwardRaw), shm (SharedMemoryShard.Forward), channel "
+          "(shared-memory request channel: no gRPC call per request)");
 ABSL_FLAG(double, seconds, 1.0, "timed seconds per case (at least 3 calls per client)");
 ABSL_FLAG(int64_t, max_inflight_mib, 128, "skip cases where clients * payload exceeds this");
-ABSL_FLAG(std::string, backend, "cpu-reference", "shard backend (no expert runs either way)");
+ABSL_FLAG(std::string, backend, "cpu",
+          "shard backend (what moe_shard --backend=auto picks without a GPU; no expert runs)");
 ABSL_FLAG(bool, tune_allocator, true, "raise glibc's mmap threshold (as moe_shard does)");
 
 namespace moe {
@@ -118,12 +122,25 @@ std::shared_ptr<grpc::Channel> NewChannel(const std::string& address) {
 class Client {
  public:
   Client(const std::string& mode, const std::string& address, int64_t t, int64_t hidden)
-      : raw_(mode == "raw"), shm_(mode == "shm"), channel_(NewChannel(address)),
+      : raw_(mode == "raw"), shm_(mode == "shm"), shm_channel_(mode == "channel"),
+        channel_(NewChannel(address)),
         stub_(v1::ExpertShard::NewStub(channel_)),
         shm_stub_(v1::SharedMemoryShard::NewStub(channel_)) {
     header_ = MakeHeader(t, hidden, &payload_);
     if (shm_) {
       SetUpSharedMemory();
+    } else if (shm_channel_) {
+      absl::StatusOr<std::unique_ptr<ShmChannel>> c = ShmChannel::Open(channel_, 2 * payload_.size());
+      if (!c.ok()) {
+        std::fprintf(stderr, "rpc_bench: channel: %s\n", c.status().ToString().c_str());
+        std::exit(1);
+      }
+      shm_channel_client_ = *std::move(c);
+      std::memcpy(shm_channel_client_->data().data(), payload_.data(), payload_.size());
+      *shm_request_.mutable_request() = header_;
+      shm_request_.mutable_hidden_states()->set_length(payload_.size());
+      shm_request_.mutable_output()->set_offset(payload_.size());
+      shm_request_.mutable_output()->set_length(payload_.size());
     } else if (!raw_) {
       full_ = header_;
       full_.mutable_hidden_states()->mutable_data()->set_data(payload_);
@@ -138,6 +155,10 @@ class Client {
 
   // One call; OK only when the output has the expected size.
   absl::Status Call() {
+    if (shm_channel_) {
+      v1::ForwardResponse response;
+      return shm_channel_client_->Forward(shm_request_, &response, absl::Seconds(60));
+    }
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
     if (shm_) {
@@ -203,7 +224,8 @@ class Client {
     }
   }
 
-  const bool raw_, shm_;
+  const bool raw_, shm_, shm_channel_;
+  std::unique_ptr<ShmChannel> shm_channel_client_;
   std::string output_;  // raw mode: the caller's output buffer, reused
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::ExpertShard::Stub> stub_;
@@ -420,7 +442,7 @@ int Main() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "rpc_bench [--tokens 1,16,...] [--clients 1,4,...] [--modes proto,raw]\n"
+      "rpc_bench [--tokens 1,16,...] [--clients 1,4,...] [--modes proto,raw,shm,channel]\n"
       "Forward transport benchmark (protobuf vs raw-buffer) against an in-process shard.");
   absl::ParseCommandLine(argc, argv);
   return moe::Main();

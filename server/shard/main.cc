@@ -247,6 +247,7 @@ int Run(const ShardOptions& o) {
   health->SetServingStatus(false);
   service.StartDraining();
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(o.drain_seconds)));
+  shm_forward.CloseAllChannels();  // their threads call into `service`, which goes next
   if (link) link->Stop();
   LOG(INFO) << "moe_shard stopped";
   return 0;

@@ -73,4 +73,57 @@ absl::Status ShmForwardService::DoForward(const v1::ShmForwardRequest& shm,
   return absl::OkStatus();
 }
 
+grpc::Status ShmForwardService::OpenChannel(grpc::ServerContext*,
+                                            const v1::OpenChannelRequest* request,
+                                            v1::OpenChannelResponse* response) {
+  if (request->offset() % alignof(ShmChannelBlock) != 0) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "offset: ", request->offset(), " is not ", alignof(ShmChannelBlock), "-byte aligned")));
+  }
+  absl::StatusOr<ShmRegistry::Lease> lease = registry_.Acquire(request->region_id());
+  if (!lease.ok()) return ToGrpcStatus(lease.status());
+  absl::StatusOr<absl::Span<uint8_t>> block =
+      lease->Range(request->offset(), kShmChannelBlockBytes, "channel block");
+  if (!block.ok()) return ToGrpcStatus(block.status());
+  absl::MutexLock lock(&channels_mu_);
+  if (channels_.size() >= kMaxChannels) {
+    return ToGrpcStatus(absl::ResourceExhaustedError(
+        absl::StrCat("the shard has ", kMaxChannels, " open channels; close one first")));
+  }
+  const std::string id = absl::StrCat("channel-", ++next_channel_);
+  channels_[id] = std::make_unique<ShmChannelServer>(
+      *std::move(lease), reinterpret_cast<ShmChannelBlock*>(block->data()),
+      [this](const v1::ShmForwardRequest& req, v1::ForwardResponse* resp) {
+        return DoForward(req, resp);
+      });
+  response->set_channel_id(id);
+  return grpc::Status::OK;
+}
+
+grpc::Status ShmForwardService::CloseChannel(grpc::ServerContext*,
+                                             const v1::CloseChannelRequest* request,
+                                             v1::CloseChannelResponse*) {
+  std::unique_ptr<ShmChannelServer> channel;
+  {
+    absl::MutexLock lock(&channels_mu_);
+    auto it = channels_.find(request->channel_id());
+    if (it == channels_.end()) {
+      return ToGrpcStatus(
+          absl::NotFoundError(absl::StrCat("channel '", request->channel_id(), "' is not open")));
+    }
+    channel = std::move(it->second);
+    channels_.erase(it);
+  }
+  channel.reset();  // joins the thread outside the lock (it may be finishing a request)
+  return grpc::Status::OK;
+}
+
+void ShmForwardService::CloseAllChannels() {
+  std::map<std::string, std::unique_ptr<ShmChannelServer>> channels;
+  {
+    absl::MutexLock lock(&channels_mu_);
+    channels.swap(channels_);
+  }
+}
+
 }  // namespace moe

@@ -7,14 +7,22 @@
 //
 // Register it beside the ExpertShardService (moe_shard does with --shared_memory; it maps
 // whatever object a caller names, so only enable it where the callers are trusted local
-// frontends). Thread-safety: handlers run concurrently. Ownership: borrows `shard`; owns the
+// frontends). OpenChannel starts a request channel (shm_channel.h) over a registered region:
+// one-token requests then skip gRPC entirely. Thread-safety: handlers run concurrently. Ownership: borrows `shard`; owns the
 // registry.
 #ifndef MOE_SERVER_SHARD_SHM_FORWARD_H_
 #define MOE_SERVER_SHARD_SHM_FORWARD_H_
 
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "moe/v1/shm.grpc.pb.h"
 #include "server/shard/service.h"
+#include "server/shard/shm_channel.h"
 #include "server/shard/shm_registry.h"
 
 namespace moe {
@@ -33,12 +41,25 @@ class ShmForwardService final : public v1::SharedMemoryShard::Service {
                                       v1::UnregisterSharedMemoryResponse* response) override;
   grpc::Status Forward(grpc::ServerContext* ctx, const v1::ShmForwardRequest* request,
                        v1::ForwardResponse* response) override;
+  grpc::Status OpenChannel(grpc::ServerContext* ctx, const v1::OpenChannelRequest* request,
+                           v1::OpenChannelResponse* response) override;
+  grpc::Status CloseChannel(grpc::ServerContext* ctx, const v1::CloseChannelRequest* request,
+                            v1::CloseChannelResponse* response) override;
+
+  // Open channels at most (each holds a thread).
+  static constexpr size_t kMaxChannels = 256;
+  // Stops every channel's thread. Call before the shard service goes away (the destructor does).
+  void CloseAllChannels() ABSL_LOCKS_EXCLUDED(channels_mu_);
+  ~ShmForwardService() override { CloseAllChannels(); }
 
  private:
   absl::Status DoForward(const v1::ShmForwardRequest& request, v1::ForwardResponse* response);
 
   ExpertShardService* const shard_;
   ShmRegistry registry_;
+  absl::Mutex channels_mu_;
+  std::map<std::string, std::unique_ptr<ShmChannelServer>> channels_ ABSL_GUARDED_BY(channels_mu_);
+  uint64_t next_channel_ ABSL_GUARDED_BY(channels_mu_) = 0;
 };
 
 }  // namespace moe

@@ -12,6 +12,8 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -20,6 +22,8 @@
 #include "moe/v1/shard.grpc.pb.h"
 #include "moe/v1/shm.grpc.pb.h"
 #include "server/model/generator.h"
+#include "client/shm_channel.h"
+#include "server/common/shm_channel_layout.h"
 #include "server/shard/in_process_shard.h"
 
 namespace moe {
@@ -267,6 +271,152 @@ TEST_F(ShmForwardTest, BadRegistrationsAreRejected) {
   EXPECT_EQ(s.error_message(), "shared memory region 'd' is already registered");
   ExpectStillServing("d");
   EXPECT_TRUE(Unregister("d").ok());
+}
+
+// ---- Request channels ----------------------------------------------------------------------------
+
+// The client library's channel gives the bytes Forward gives, over many requests.
+TEST_F(ShmForwardTest, ChannelAnswersLikeForward) {
+  ASSERT_TRUE(Register("e", key_, kRegion).ok());
+  std::string payload;
+  const v1::ShmForwardRequest shm = MakeRequest("e", &payload);
+  v1::ForwardRequest full = shm.request();
+  full.mutable_hidden_states()->mutable_data()->set_data(payload);
+  v1::ForwardResponse expected;
+  ASSERT_TRUE(stub_->Forward(Context().get(), full, &expected).ok());
+  EXPECT_TRUE(Unregister("e").ok());
+
+  auto grpc_channel = grpc::CreateChannel(shard_->address(), grpc::InsecureChannelCredentials());
+  absl::StatusOr<std::unique_ptr<ShmChannel>> channel = ShmChannel::Open(grpc_channel, 8192);
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  for (int i = 0; i < 50; ++i) {
+    std::memcpy((*channel)->data().data(), payload.data(), kIn);
+    std::memset((*channel)->data().data() + kIn, 0xFF, kOut);  // poisoned: NaN if not written
+    v1::ShmForwardRequest req = shm;  // ranges [0, kIn) and [kIn, kIn + kOut) of data()
+    v1::ForwardResponse resp;
+    const absl::Status s = (*channel)->Forward(req, &resp);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(resp.output().dtype(), v1::F32);
+    ASSERT_EQ(std::string(reinterpret_cast<const char*>((*channel)->data().data() + kIn), kOut),
+              expected.output().data())
+        << "request " << i;
+  }
+  // The channel pins its region.
+  v1::UnregisterSharedMemoryRequest unreg;
+  unreg.set_region_id((*channel)->region_id());
+  v1::UnregisterSharedMemoryResponse unreg_resp;
+  EXPECT_EQ(shm_stub_->UnregisterSharedMemory(Context().get(), unreg, &unreg_resp).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  channel->reset();  // closes, unregisters, unlinks
+  ASSERT_TRUE(Register("e", key_, kRegion).ok());
+  ExpectStillServing("e");
+  EXPECT_TRUE(Unregister("e").ok());
+}
+
+// Opening a channel: each bad argument gets its precise status; closing an unknown one NOT_FOUND.
+TEST_F(ShmForwardTest, ChannelOpenIsValidated) {
+  ASSERT_TRUE(Register("f", key_, kRegion).ok());
+  const auto open = [&](const std::string& id, uint64_t offset, v1::OpenChannelResponse* out) {
+    v1::OpenChannelRequest req;
+    req.set_region_id(id);
+    req.set_offset(offset);
+    return shm_stub_->OpenChannel(Context().get(), req, out);
+  };
+  v1::OpenChannelResponse opened;
+  grpc::Status s = open("f", 8200, &opened);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message(), "offset: 8200 is not 64-byte aligned");
+  s = open("f", kRegion - 4096, &opened);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message(), absl::StrCat("channel block: offset 61440 + length ",
+                                            kShmChannelBlockBytes,
+                                            " exceeds region 'f' of 65536 bytes"));
+  s = open("nope", 0, &opened);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  v1::CloseChannelRequest close;
+  close.set_channel_id("channel-999999");
+  v1::CloseChannelResponse closed;
+  s = shm_stub_->CloseChannel(Context().get(), close, &closed);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(s.error_message(), "channel 'channel-999999' is not open");
+  ExpectStillServing("f");
+  EXPECT_TRUE(Unregister("f").ok());
+}
+
+// Garbage written into the block by a misbehaving client: an oversize length, bytes that do not
+// parse, ranges outside the region. Each is answered with INVALID_ARGUMENT in the block, the
+// channel keeps serving good requests, and closing it unpins the region.
+TEST_F(ShmForwardTest, ChannelSurvivesGarbage) {
+  ASSERT_TRUE(Register("g", key_, kRegion).ok());
+  // The block in a region of its own, at a 64-byte aligned offset that is not 0.
+  constexpr uint64_t kBlockAt = 4096 + 64;
+  const std::string block_key = key_ + "_block";
+  const uint64_t block_region = kBlockAt + kShmChannelBlockBytes;
+  const int fd = shm_open(block_key.c_str(), O_CREAT | O_RDWR | O_TRUNC, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, static_cast<off_t>(block_region)), 0);
+  void* mapped = mmap(nullptr, block_region, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  ASSERT_NE(mapped, MAP_FAILED);
+  ASSERT_TRUE(Register("g_block", block_key, block_region).ok());
+  auto* block = reinterpret_cast<ShmChannelBlock*>(static_cast<uint8_t*>(mapped) + kBlockAt);
+  v1::OpenChannelRequest open;
+  open.set_region_id("g_block");
+  open.set_offset(kBlockAt);
+  v1::OpenChannelResponse opened;
+  ASSERT_TRUE(shm_stub_->OpenChannel(Context().get(), open, &opened).ok());
+  uint32_t seq = 0;
+  // Posts `len` bytes (already in block->request) and waits for the answer.
+  const auto post = [&](uint32_t len) {
+    block->request_len = len;
+    block->request_seq.store(++seq, std::memory_order_release);
+    FutexWakeAll(&block->request_seq);
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (block->response_seq.load(std::memory_order_acquire) != seq && absl::Now() < deadline) {
+      FutexWait(&block->response_seq, block->response_seq.load(), timespec{0, 10'000'000});
+    }
+    EXPECT_EQ(block->response_seq.load(), seq);
+    return std::pair{block->status_code,
+                     std::string(block->response, std::min<uint32_t>(block->response_len,
+                                                                     kShmChannelResponseBytes))};
+  };
+  const auto post_request = [&](const v1::ShmForwardRequest& req) {
+    const std::string bytes = req.SerializeAsString();
+    std::memcpy(block->request, bytes.data(), bytes.size());
+    return post(static_cast<uint32_t>(bytes.size()));
+  };
+  auto [code, message] = post(kShmChannelRequestBytes + 1);
+  EXPECT_EQ(code, static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(message, absl::StrCat("channel request_len ", kShmChannelRequestBytes + 1,
+                                  " exceeds the 1048576-byte request area"));
+  std::memset(block->request, 0xFF, 64);
+  std::tie(code, message) = post(64);
+  EXPECT_EQ(code, static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(message, "channel request (64 bytes) is not a valid ShmForwardRequest");
+  std::string payload;
+  v1::ShmForwardRequest req = MakeRequest("g", &payload);
+  req.mutable_output()->set_offset(kRegion - 8);
+  std::tie(code, message) = post_request(req);
+  EXPECT_EQ(code, static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(message, absl::StrCat("output: offset 65528 + length ", kOut,
+                                  " exceeds region 'g' of 65536 bytes"));
+  std::tie(code, message) = post_request(MakeRequest("g", &payload));
+  EXPECT_EQ(code, 0) << message;
+  v1::ForwardResponse resp;
+  ASSERT_TRUE(resp.ParseFromString(message));
+  EXPECT_EQ(resp.output().dtype(), v1::F32);
+  // The block's region is pinned while the channel is open; closing unpins it.
+  EXPECT_EQ(Unregister("g_block").error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  v1::CloseChannelRequest close;
+  close.set_channel_id(opened.channel_id());
+  v1::CloseChannelResponse closed;
+  ASSERT_TRUE(shm_stub_->CloseChannel(Context().get(), close, &closed).ok());
+  EXPECT_EQ(shm_stub_->CloseChannel(Context().get(), close, &closed).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  EXPECT_TRUE(Unregister("g_block").ok());
+  EXPECT_TRUE(Unregister("g").ok());
+  munmap(mapped, block_region);
+  shm_unlink(block_key.c_str());
 }
 
 }  // namespace
