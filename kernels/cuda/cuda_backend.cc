@@ -1,16 +1,27 @@
 // CudaExpertBackend: ExpertBackend over expert_runner.h. Host code (abseil allowed), no device
 // code. Inputs are copied from the caller's (pageable) host memory on a private stream; the call
 // returns after the output is back on the host.
+//
+// Device weights are kept per (layer index, host weights): during a two-phase placement switch
+// the shard serves the old and the new map version at once, so PrepareLayer for the new version
+// must not replace the copy the old one is still running with. Up to kVersionsPerLayer copies per
+// layer; Run picks the one uploaded from the same host weights (their addresses identify them)
+// and holds a reference while it runs, so evicting a version never frees memory in use.
 #include "kernels/cuda/cuda_backend.h"
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <deque>
+#include <memory>
 #include <map>
 #include <string>
 #include <thread>
+#include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/expert_kernels.h"
 #include "kernels/cuda/expert_plan.h"
@@ -21,6 +32,31 @@ namespace {
 
 using cuda::CudaStatus;
 using cuda::DeviceBuffer;
+
+// What identifies the host weights a device copy was uploaded from: format, shapes and the
+// addresses of every expert's packed values (read as numbers, never dereferenced).
+struct HostIdentity {
+  WeightFormat format = WeightFormat::kMxfp4;
+  int64_t hidden = 0, inter = 0;
+  std::vector<const void*> values;
+
+  static HostIdentity Of(const ExpertLayer& layer) {
+    HostIdentity id{layer.format, layer.hidden, layer.intermediate, {}};
+    for (const auto* list : {&layer.experts, &layer.shared_experts}) {
+      for (const ExpertWeights& e : *list) {
+        id.values.push_back(e.w13.values.data);
+        id.values.push_back(e.w2.values.data);
+      }
+    }
+    return id;
+  }
+  bool operator==(const HostIdentity&) const = default;
+};
+
+struct DeviceVersion {
+  HostIdentity host;
+  std::unique_ptr<cuda::DeviceExpertLayer> device;
+};
 
 class CudaExpertBackend final : public ExpertBackend {
  public:
@@ -34,9 +70,15 @@ class CudaExpertBackend final : public ExpertBackend {
   }
   ~CudaExpertBackend() override {
     cudaSetDevice(options_.device);
-    layers_.clear();
+    {
+      absl::MutexLock lock(&layers_mu_);
+      layers_.clear();
+    }
     cudaStreamDestroy(stream_);
   }
+
+  // Device copies kept per layer index (the shard keeps up to 4 map versions).
+  static constexpr size_t kVersionsPerLayer = 4;
 
   absl::string_view name() const override { return "cuda"; }
   std::string device() const override { return cuda::DeviceDescription(options_.device); }
@@ -62,11 +104,21 @@ class CudaExpertBackend final : public ExpertBackend {
     if (absl::Status s = CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice"); !s.ok()) {
       return s;
     }
-    layers_.erase(layer_index);  // free the old copy before uploading the new one
+    HostIdentity host = HostIdentity::Of(layer);
+    {
+      // The same weights again: replace their copy (freed here) before uploading.
+      absl::MutexLock lock(&layers_mu_);
+      std::erase_if(layers_[layer_index], [&](const auto& v) { return v->host == host; });
+    }
     absl::StatusOr<std::unique_ptr<cuda::DeviceExpertLayer>> d =
         cuda::UploadExpertLayer(layer, options_.device, options_.upload_threads);
     if (!d.ok()) return d.status();
-    layers_[layer_index] = *std::move(d);
+    auto version = std::make_shared<DeviceVersion>(DeviceVersion{std::move(host), *std::move(d)});
+    absl::MutexLock lock(&layers_mu_);
+    std::deque<std::shared_ptr<const DeviceVersion>>& versions = layers_[layer_index];
+    versions.push_front(std::move(version));
+    // The oldest goes; a Run still using it holds its own reference.
+    if (versions.size() > kVersionsPerLayer) versions.pop_back();
     return absl::OkStatus();
   }
 
@@ -74,32 +126,41 @@ class CudaExpertBackend final : public ExpertBackend {
                    const ExpertsRequest& request) override;
 
  private:
-  absl::StatusOr<const cuda::DeviceExpertLayer*> Prepared(int layer_index,
-                                                          const ExpertLayer& layer) const;
-  absl::Status CopyIn(const ExpertsRequest& request, bool with_mask);
+  absl::StatusOr<std::shared_ptr<const DeviceVersion>> Prepared(int layer_index,
+                                                                const ExpertLayer& layer)
+      ABSL_LOCKS_EXCLUDED(layers_mu_);
+  absl::Status CopyIn(const ExpertsRequest& request, bool with_mask)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
 
   CudaBackendOptions options_;
   cudaStream_t stream_;
-  std::map<int, std::unique_ptr<cuda::DeviceExpertLayer>> layers_;
-  cuda::ExpertRunner runner_;
-  DeviceBuffer hidden_, ids_, weights_, mask_, out_;
+  absl::Mutex layers_mu_;
+  std::map<int, std::deque<std::shared_ptr<const DeviceVersion>>> layers_
+      ABSL_GUARDED_BY(layers_mu_);
+  // One Run at a time on the private stream and its buffers (the executor calls from one
+  // thread; this keeps other callers correct too).
+  absl::Mutex run_mu_;
+  cuda::ExpertRunner runner_ ABSL_GUARDED_BY(run_mu_);
+  DeviceBuffer hidden_ ABSL_GUARDED_BY(run_mu_), ids_ ABSL_GUARDED_BY(run_mu_),
+      weights_ ABSL_GUARDED_BY(run_mu_), mask_ ABSL_GUARDED_BY(run_mu_),
+      out_ ABSL_GUARDED_BY(run_mu_);
 };
 
-absl::StatusOr<const cuda::DeviceExpertLayer*> CudaExpertBackend::Prepared(
-    int layer_index, const ExpertLayer& layer) const {
+absl::StatusOr<std::shared_ptr<const DeviceVersion>> CudaExpertBackend::Prepared(
+    int layer_index, const ExpertLayer& layer) {
+  const HostIdentity host = HostIdentity::Of(layer);
+  absl::MutexLock lock(&layers_mu_);
   auto it = layers_.find(layer_index);
-  if (it == layers_.end()) {
+  if (it == layers_.end() || it->second.empty()) {
     return absl::FailedPreconditionError(
         absl::StrCat("cuda backend: layer ", layer_index, " was not prepared"));
   }
-  const cuda::DeviceExpertLayer& d = *it->second;
-  if (d.hidden != layer.hidden || d.inter != layer.intermediate ||
-      d.num_experts != static_cast<int>(layer.experts.size()) ||
-      d.num_shared != static_cast<int>(layer.shared_experts.size())) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "cuda backend: layer ", layer_index, " differs from the one given to PrepareLayer"));
+  for (const std::shared_ptr<const DeviceVersion>& v : it->second) {
+    if (v->host == host) return v;
   }
-  return &d;
+  return absl::FailedPreconditionError(absl::StrCat(
+      "cuda backend: layer ", layer_index,
+      " was not prepared (PrepareLayer) with these weights"));
 }
 
 absl::Status CudaExpertBackend::CopyIn(const ExpertsRequest& request, bool with_mask) {
@@ -127,10 +188,12 @@ absl::Status CudaExpertBackend::CopyIn(const ExpertsRequest& request, bool with_
 absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
                                     const ExpertsRequest& request) {
   if (absl::Status s = ValidateExpertsRequest(layer, request); !s.ok()) return s;
-  absl::StatusOr<const cuda::DeviceExpertLayer*> d = Prepared(layer_index, layer);
-  if (!d.ok()) return d.status();
+  absl::StatusOr<std::shared_ptr<const DeviceVersion>> version = Prepared(layer_index, layer);
+  if (!version.ok()) return version.status();
+  const cuda::DeviceExpertLayer& d = *(*version)->device;
   const int64_t tokens = request.hidden_states.dim(0);
   if (tokens == 0) return absl::OkStatus();
+  absl::MutexLock lock(&run_mu_);
   if (absl::Status s = CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice"); !s.ok()) {
     return s;
   }
@@ -148,7 +211,7 @@ absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
   batch.shared_mask = with_mask ? mask_.as<uint8_t>() : nullptr;
   batch.out = out_.get();
   batch.out_bf16 = request.out.dtype == DType::kBF16;
-  if (absl::Status s = runner_.Enqueue(**d, batch, plan, stream_); !s.ok()) return s;
+  if (absl::Status s = runner_.Enqueue(d, batch, plan, stream_); !s.ok()) return s;
   if (absl::Status s = CudaStatus(cudaMemcpyAsync(request.out.data, out_.get(),
                                                   static_cast<size_t>(request.out.NumBytes()),
                                                   cudaMemcpyDeviceToHost, stream_),
