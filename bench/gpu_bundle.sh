@@ -22,18 +22,19 @@ make_bundle() {
   set -e
   bazel build //kernels/cuda:device_test //kernels/cuda:experts_cuda_test \
     //kernels/cuda:staging_cuda_test //kernels/cuda:cuda_backend_versions_test \
-    //bench:kernel_bench //bench:staging_bench
+    //server/shard:cuda_ipc_test //bench:kernel_bench //bench:staging_bench
   rm -rf "$B" && mkdir -p "$B"/lib
   cp bazel-bin/kernels/cuda/{device_test,experts_cuda_test,staging_cuda_test,cuda_backend_versions_test} "$B"/
+  cp bazel-bin/server/shard/cuda_ipc_test "$B"/
   cp bazel-bin/bench/{kernel_bench,staging_bench} "$B"/
   # Shared libraries outside glibc/libstdc++ (the GPU machine has newer ones of those).
-  ldd "$B"/{device_test,experts_cuda_test,staging_cuda_test,cuda_backend_versions_test,kernel_bench,staging_bench} | awk '/=>/ {print $3}' |
+  ldd "$B"/{device_test,experts_cuda_test,staging_cuda_test,cuda_backend_versions_test,cuda_ipc_test,kernel_bench,staging_bench} | awk '/=>/ {print $3}' |
     sort -u | grep -Ev '/(libc|libm|libpthread|libdl|librt|libstdc\+\+|libgcc_s)\.so' |
     xargs -r cp -L -t "$B"/lib/
   git rev-parse --short HEAD > "$B"/commit
   if ! git diff --quiet HEAD -- kernels bench; then echo "+uncommitted" >> "$B"/commit; fi
   chmod u+w "$B"/*
-  strip "$B"/{device_test,experts_cuda_test,staging_cuda_test,cuda_backend_versions_test,kernel_bench,staging_bench}
+  strip "$B"/{device_test,experts_cuda_test,staging_cuda_test,cuda_backend_versions_test,cuda_ipc_test,kernel_bench,staging_bench}
   tar czf /tmp/moe_gpu_bundle.tgz -C "$B" .
   rm -rf "$B" && mkdir "$B" && mv /tmp/moe_gpu_bundle.tgz "$B"/b.tgz
   du -sh "$B"
@@ -53,6 +54,8 @@ run_bundle() {
   grep -E "FAILED|PASSED|Failure" "$out/staging_cuda_test.log"
   timeout 60 "$B"/cuda_backend_versions_test > "$out/cuda_backend_versions_test.log" 2>&1
   grep -E "FAILED|PASSED|Failure|during upload" "$out/cuda_backend_versions_test.log"
+  (cd "${TMPDIR:-/tmp}" && timeout 120 "$OLDPWD/$B"/cuda_ipc_test) > "$out/cuda_ipc_test.log" 2>&1
+  grep -E "FAILED|PASSED|Failure|client:" "$out/cuda_ipc_test.log"
   timeout 240 "$B"/experts_cuda_test > "$out/experts_cuda_test.log" 2>&1
   grep -E "FAILED|PASSED|Failure|error" "$out/experts_cuda_test.log"
   awk '/cuda-vs-ref/ {n++; split($5, a, "="); if (a[2] + 0 > m) m = a[2] + 0}

@@ -3,6 +3,7 @@
 #include <cstring>
 #include <string>
 #include <utility>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "server/common/status.h"
@@ -116,6 +117,51 @@ grpc::Status ShmForwardService::CloseChannel(grpc::ServerContext*,
   }
   channel.reset();  // joins the thread outside the lock (it may be finishing a request)
   return grpc::Status::OK;
+}
+
+grpc::Status ShmForwardService::ForwardCuda(grpc::ServerContext*,
+                                            const v1::CudaForwardRequest* request,
+                                            v1::ForwardResponse* response) {
+  return ToGrpcStatus(DoForwardCuda(*request, response));
+}
+
+absl::Status ShmForwardService::DoForwardCuda(const v1::CudaForwardRequest& cuda,
+                                              v1::ForwardResponse* response) {
+  if (!cuda.request().hidden_states().data().data().empty()) {
+    return absl::InvalidArgumentError(
+        "request.hidden_states.data.data: must be empty (the bytes are in device memory)");
+  }
+  const v1::CudaIpcRef& in_ref = cuda.hidden_states();
+  const v1::CudaIpcRef& out_ref = cuda.output();
+  for (const auto& [ref, field] : {std::pair{&in_ref, "hidden_states"}, std::pair{&out_ref, "output"}}) {
+    if (ref->length() > kMaxCudaIpcBytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(field, ": length ", ref->length(),
+                                                       " exceeds the ", kMaxCudaIpcBytes,
+                                                       "-byte limit of one ForwardCuda"));
+    }
+  }
+  HostTensor host_in =
+      HostTensor::Uninitialized(DType::kU8, {static_cast<int64_t>(in_ref.length())});
+  if (absl::Status s = cuda_ipc_.CopyToHost(in_ref.handle(), in_ref.offset(), in_ref.length(),
+                                            host_in.data<uint8_t>(), "hidden_states");
+      !s.ok()) {
+    return s;
+  }
+  HostTensor host_out;
+  ForwardIo io;
+  io.hidden_payload =
+      absl::string_view(reinterpret_cast<const char*>(host_in.data<uint8_t>()), in_ref.length());
+  io.output_buffer = [&](size_t bytes) -> absl::StatusOr<absl::Span<uint8_t>> {
+    if (bytes != out_ref.length()) {
+      return absl::InvalidArgumentError(absl::StrCat("output: range of ", out_ref.length(),
+                                                     " bytes, the output has ", bytes));
+    }
+    host_out = HostTensor::Uninitialized(DType::kU8, {static_cast<int64_t>(bytes)});
+    return absl::Span<uint8_t>(host_out.data<uint8_t>(), bytes);
+  };
+  if (absl::Status s = shard_->ServeForward(cuda.request(), response, io); !s.ok()) return s;
+  return cuda_ipc_.CopyFromHost(host_out.data<uint8_t>(), out_ref.handle(), out_ref.offset(),
+                                out_ref.length(), "output");
 }
 
 void ShmForwardService::CloseAllChannels() {

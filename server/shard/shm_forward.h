@@ -8,7 +8,9 @@
 // Register it beside the ExpertShardService (moe_shard does with --shared_memory; it maps
 // whatever object a caller names, so only enable it where the callers are trusted local
 // frontends). OpenChannel starts a request channel (shm_channel.h) over a registered region:
-// one-token requests then skip gRPC entirely. Thread-safety: handlers run concurrently. Ownership: borrows `shard`; owns the
+// one-token requests then skip gRPC entirely. ForwardCuda serves GPU-resident tensors of a
+// same-host frontend through CUDA IPC handles (cuda_ipc.h; staged through host memory: one
+// device-to-host copy in, one host-to-device copy out). Thread-safety: handlers run concurrently. Ownership: borrows `shard`; owns the
 // registry.
 #ifndef MOE_SERVER_SHARD_SHM_FORWARD_H_
 #define MOE_SERVER_SHARD_SHM_FORWARD_H_
@@ -22,6 +24,7 @@
 #include "absl/synchronization/mutex.h"
 #include "moe/v1/shm.grpc.pb.h"
 #include "server/shard/service.h"
+#include "server/shard/cuda_ipc.h"
 #include "server/shard/shm_channel.h"
 #include "server/shard/shm_registry.h"
 
@@ -45,6 +48,11 @@ class ShmForwardService final : public v1::SharedMemoryShard::Service {
                            v1::OpenChannelResponse* response) override;
   grpc::Status CloseChannel(grpc::ServerContext* ctx, const v1::CloseChannelRequest* request,
                             v1::CloseChannelResponse* response) override;
+  grpc::Status ForwardCuda(grpc::ServerContext* ctx, const v1::CudaForwardRequest* request,
+                           v1::ForwardResponse* response) override;
+
+  // Largest hidden-states or output range of one ForwardCuda (staged through host memory).
+  static constexpr uint64_t kMaxCudaIpcBytes = uint64_t{1} << 30;
 
   // Open channels at most (each holds a thread).
   static constexpr size_t kMaxChannels = 256;
@@ -54,9 +62,11 @@ class ShmForwardService final : public v1::SharedMemoryShard::Service {
 
  private:
   absl::Status DoForward(const v1::ShmForwardRequest& request, v1::ForwardResponse* response);
+  absl::Status DoForwardCuda(const v1::CudaForwardRequest& request, v1::ForwardResponse* response);
 
   ExpertShardService* const shard_;
   ShmRegistry registry_;
+  CudaIpcMemory cuda_ipc_;
   absl::Mutex channels_mu_;
   std::map<std::string, std::unique_ptr<ShmChannelServer>> channels_ ABSL_GUARDED_BY(channels_mu_);
   uint64_t next_channel_ ABSL_GUARDED_BY(channels_mu_) = 0;

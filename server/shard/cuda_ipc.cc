@@ -1,0 +1,168 @@
+#include "server/shard/cuda_ipc.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+#include <list>
+#include <string>
+#include <utility>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+
+namespace moe {
+namespace {
+
+// cuMemGetAddressRange (v2), fetched from the driver through the runtime so that the binary does
+// not link libcuda (it must start on machines without a driver).
+using GetAddressRangeFn = int (*)(unsigned long long* base, size_t* size, unsigned long long ptr);
+
+struct Opened {
+  std::string handle;
+  char* base = nullptr;
+  size_t size = 0;
+};
+
+absl::Status CudaError(cudaError_t e, absl::string_view what) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("CUDA IPC: ", what, ": ", cudaGetErrorString(e)));
+}
+
+}  // namespace
+
+struct CudaIpcMemory::State {
+  absl::Mutex mu;
+  bool initialized ABSL_GUARDED_BY(mu) = false;
+  absl::Status init_status ABSL_GUARDED_BY(mu);
+  GetAddressRangeFn get_range ABSL_GUARDED_BY(mu) = nullptr;
+  std::list<Opened> open ABSL_GUARDED_BY(mu);  // most recently used first
+
+  absl::Status Init() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (initialized) return init_status;
+    initialized = true;
+    int count = 0;
+    if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess || count == 0) {
+      init_status = absl::FailedPreconditionError(
+          absl::StrCat("CUDA IPC: no CUDA device in the shard process (",
+                       e != cudaSuccess ? cudaGetErrorString(e) : "0 devices", ")"));
+      return init_status;
+    }
+    if (cudaError_t e = cudaSetDevice(0); e != cudaSuccess) {
+      init_status = CudaError(e, "cudaSetDevice(0)");
+      return init_status;
+    }
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaError_t e = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000,
+                                                         cudaEnableDefault, &found);
+        e != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) {
+      init_status = absl::FailedPreconditionError(
+          "CUDA IPC: the driver does not provide cuMemGetAddressRange");
+      return init_status;
+    }
+    get_range = reinterpret_cast<GetAddressRangeFn>(fn);
+    return init_status;
+  }
+
+  // The opened allocation for `handle`, opening it (and closing the least recently used one past
+  // kMaxOpen) when new.
+  absl::StatusOr<Opened*> Open(absl::string_view handle, absl::string_view field)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (absl::Status s = Init(); !s.ok()) return s;
+    if (handle.size() != kHandleBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".handle: ", handle.size(),
+                                                     " bytes, a CUDA IPC handle has ",
+                                                     kHandleBytes));
+    }
+    for (auto it = open.begin(); it != open.end(); ++it) {
+      if (it->handle == handle) {
+        open.splice(open.begin(), open, it);
+        return &open.front();
+      }
+    }
+    cudaSetDevice(0);
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handle.data(), sizeof(h));
+    void* ptr = nullptr;
+    if (cudaError_t e = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
+        e != cudaSuccess) {
+      cudaGetLastError();  // clear it: the next call must not see this error
+      return absl::InvalidArgumentError(absl::StrCat(field, ".handle: cannot be opened (",
+                                                     cudaGetErrorString(e), ")"));
+    }
+    unsigned long long base = 0;
+    size_t size = 0;
+    if (get_range(&base, &size, reinterpret_cast<unsigned long long>(ptr)) != 0) {
+      cudaIpcCloseMemHandle(ptr);
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".handle: the driver cannot size the allocation"));
+    }
+    // The handle maps the allocation's base; size is what lies from there.
+    size -= static_cast<size_t>(reinterpret_cast<unsigned long long>(ptr) - base);
+    if (open.size() >= kMaxOpen) {
+      cudaIpcCloseMemHandle(open.back().base);
+      open.pop_back();
+    }
+    open.push_front(Opened{std::string(handle), static_cast<char*>(ptr), size});
+    return &open.front();
+  }
+};
+
+CudaIpcMemory::CudaIpcMemory() : state_(std::make_unique<State>()) {}
+
+CudaIpcMemory::~CudaIpcMemory() {
+  absl::MutexLock lock(&state_->mu);
+  for (const Opened& o : state_->open) cudaIpcCloseMemHandle(o.base);
+}
+
+namespace {
+
+absl::Status CheckRange(const Opened& o, uint64_t offset, uint64_t length,
+                        absl::string_view field) {
+  if (offset > o.size || length > o.size - offset) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": offset ", offset, " + length ",
+                                                   length, " exceeds the shared allocation of ",
+                                                   o.size, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CudaIpcMemory::CopyToHost(absl::string_view handle, uint64_t offset, uint64_t length,
+                                       void* dst, absl::string_view field) {
+  char* src = nullptr;
+  {
+    absl::MutexLock lock(&state_->mu);
+    absl::StatusOr<Opened*> o = state_->Open(handle, field);
+    if (!o.ok()) return o.status();
+    if (absl::Status s = CheckRange(**o, offset, length, field); !s.ok()) return s;
+    src = (*o)->base + offset;
+    // The copy runs under the lock: an eviction by another request cannot close it meanwhile.
+    if (length == 0) return absl::OkStatus();
+    cudaSetDevice(0);
+    if (cudaError_t e = cudaMemcpy(dst, src, length, cudaMemcpyDeviceToHost); e != cudaSuccess) {
+      return CudaError(e, absl::StrCat(field, ": device-to-host copy"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaIpcMemory::CopyFromHost(const void* src, absl::string_view handle,
+                                         uint64_t offset, uint64_t length,
+                                         absl::string_view field) {
+  absl::MutexLock lock(&state_->mu);
+  absl::StatusOr<Opened*> o = state_->Open(handle, field);
+  if (!o.ok()) return o.status();
+  if (absl::Status s = CheckRange(**o, offset, length, field); !s.ok()) return s;
+  if (length == 0) return absl::OkStatus();
+  cudaSetDevice(0);
+  if (cudaError_t e = cudaMemcpy((*o)->base + offset, src, length, cudaMemcpyHostToDevice);
+      e != cudaSuccess) {
+    return CudaError(e, absl::StrCat(field, ": host-to-device copy"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace moe

@@ -1,0 +1,46 @@
+// CudaIpcMemory: device allocations of other processes on the same host, opened through CUDA IPC
+// handles (moe.v1.CudaIpcRef), and copies between them and host memory. Each handle is opened
+// once (opening costs milliseconds) and kept open, at most kMaxOpen of them, least recently used
+// closed first. Every range is checked against the allocation's real size (driver query), so a
+// client cannot make the shard read or write outside what it shared.
+//
+// Device 0 of the shard process. Thread-safety: all methods may be called concurrently.
+// Built without CUDA (--config=nocuda) every call answers FAILED_PRECONDITION.
+#ifndef MOE_SERVER_SHARD_CUDA_IPC_H_
+#define MOE_SERVER_SHARD_CUDA_IPC_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+
+namespace moe {
+
+class CudaIpcMemory {
+ public:
+  static constexpr size_t kMaxOpen = 64;
+  static constexpr size_t kHandleBytes = 64;
+
+  CudaIpcMemory();
+  ~CudaIpcMemory();  // closes every open handle
+  CudaIpcMemory(const CudaIpcMemory&) = delete;
+  CudaIpcMemory& operator=(const CudaIpcMemory&) = delete;
+
+  // Copies [offset, offset + length) of the allocation `handle` names into `dst` (host memory).
+  // INVALID_ARGUMENT naming `field` for a bad handle or range.
+  absl::Status CopyToHost(absl::string_view handle, uint64_t offset, uint64_t length, void* dst,
+                          absl::string_view field);
+  // Copies `length` host bytes at `src` to [offset, offset + length) of the allocation.
+  absl::Status CopyFromHost(const void* src, absl::string_view handle, uint64_t offset,
+                            uint64_t length, absl::string_view field);
+
+  struct State;
+
+ private:
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace moe
+
+#endif  // MOE_SERVER_SHARD_CUDA_IPC_H_

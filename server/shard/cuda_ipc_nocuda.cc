@@ -1,0 +1,21 @@
+// CUDA IPC for builds without CUDA (--config=nocuda): every call is refused.
+#include "server/shard/cuda_ipc.h"
+
+namespace moe {
+
+struct CudaIpcMemory::State {};
+
+CudaIpcMemory::CudaIpcMemory() = default;
+CudaIpcMemory::~CudaIpcMemory() = default;
+
+absl::Status CudaIpcMemory::CopyToHost(absl::string_view, uint64_t, uint64_t, void*,
+                                       absl::string_view) {
+  return absl::FailedPreconditionError("CUDA IPC: this shard was built without CUDA");
+}
+
+absl::Status CudaIpcMemory::CopyFromHost(const void*, absl::string_view, uint64_t, uint64_t,
+                                         absl::string_view) {
+  return absl::FailedPreconditionError("CUDA IPC: this shard was built without CUDA");
+}
+
+}  // namespace moe
