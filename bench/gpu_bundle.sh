@@ -54,7 +54,7 @@ run_bundle() {
   grep -E "FAILED|PASSED|Failure" "$out/staging_cuda_test.log"
   timeout 60 "$B"/cuda_backend_versions_test > "$out/cuda_backend_versions_test.log" 2>&1
   grep -E "FAILED|PASSED|Failure|during upload" "$out/cuda_backend_versions_test.log"
-  (cd "${TMPDIR:-/tmp}" && timeout 120 "$OLDPWD/$B"/cuda_ipc_test) > "$out/cuda_ipc_test.log" 2>&1
+  timeout 120 "$B"/cuda_ipc_test > "$out/cuda_ipc_test.log" 2>&1
   grep -E "FAILED|PASSED|Failure|client:" "$out/cuda_ipc_test.log"
   timeout 240 "$B"/experts_cuda_test > "$out/experts_cuda_test.log" 2>&1
   grep -E "FAILED|PASSED|Failure|error" "$out/experts_cuda_test.log"
