@@ -36,6 +36,9 @@ struct CudaIpcMemory::State {
   bool initialized ABSL_GUARDED_BY(mu) = false;
   absl::Status init_status ABSL_GUARDED_BY(mu);
   GetAddressRangeFn get_range ABSL_GUARDED_BY(mu) = nullptr;
+  // Copies run here and are waited for: a pageable host-to-device cudaMemcpy may return before
+  // its DMA lands, and the frontend (another context) reads the output right after the call.
+  cudaStream_t stream ABSL_GUARDED_BY(mu) = nullptr;
   std::list<Opened> open ABSL_GUARDED_BY(mu);  // most recently used first
 
   absl::Status Init() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
@@ -62,6 +65,10 @@ struct CudaIpcMemory::State {
       return init_status;
     }
     get_range = reinterpret_cast<GetAddressRangeFn>(fn);
+    if (cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+        e != cudaSuccess) {
+      init_status = CudaError(e, "cudaStreamCreate");
+    }
     return init_status;
   }
 
@@ -114,6 +121,7 @@ CudaIpcMemory::CudaIpcMemory() : state_(std::make_unique<State>()) {}
 CudaIpcMemory::~CudaIpcMemory() {
   absl::MutexLock lock(&state_->mu);
   for (const Opened& o : state_->open) cudaIpcCloseMemHandle(o.base);
+  if (state_->stream != nullptr) cudaStreamDestroy(state_->stream);
 }
 
 namespace {
@@ -142,9 +150,9 @@ absl::Status CudaIpcMemory::CopyToHost(absl::string_view handle, uint64_t offset
     // The copy runs under the lock: an eviction by another request cannot close it meanwhile.
     if (length == 0) return absl::OkStatus();
     cudaSetDevice(0);
-    if (cudaError_t e = cudaMemcpy(dst, src, length, cudaMemcpyDeviceToHost); e != cudaSuccess) {
-      return CudaError(e, absl::StrCat(field, ": device-to-host copy"));
-    }
+    cudaError_t e = cudaMemcpyAsync(dst, src, length, cudaMemcpyDeviceToHost, state_->stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(state_->stream);
+    if (e != cudaSuccess) return CudaError(e, absl::StrCat(field, ": device-to-host copy"));
   }
   return absl::OkStatus();
 }
@@ -158,10 +166,10 @@ absl::Status CudaIpcMemory::CopyFromHost(const void* src, absl::string_view hand
   if (absl::Status s = CheckRange(**o, offset, length, field); !s.ok()) return s;
   if (length == 0) return absl::OkStatus();
   cudaSetDevice(0);
-  if (cudaError_t e = cudaMemcpy((*o)->base + offset, src, length, cudaMemcpyHostToDevice);
-      e != cudaSuccess) {
-    return CudaError(e, absl::StrCat(field, ": host-to-device copy"));
-  }
+  cudaError_t e =
+      cudaMemcpyAsync((*o)->base + offset, src, length, cudaMemcpyHostToDevice, state_->stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(state_->stream);
+  if (e != cudaSuccess) return CudaError(e, absl::StrCat(field, ": host-to-device copy"));
   return absl::OkStatus();
 }
 

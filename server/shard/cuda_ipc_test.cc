@@ -105,6 +105,8 @@ int RunClient(const std::string& address) {
                    cudaSuccess,
                "H2D");
   CLIENT_CHECK(cudaMemset(d_out, 0xFF, 512 + out_bytes) == cudaSuccess, "poison");
+  // The frontend's writes must be complete before the shard (another context) reads or writes.
+  CLIENT_CHECK(cudaDeviceSynchronize() == cudaSuccess, "sync");
   cudaIpcMemHandle_t h_in, h_out;
   CLIENT_CHECK(cudaIpcGetMemHandle(&h_in, d_in) == cudaSuccess, "handle");
   CLIENT_CHECK(cudaIpcGetMemHandle(&h_out, d_out) == cudaSuccess, "handle");
@@ -151,7 +153,12 @@ int RunClient(const std::string& address) {
                  absl::StrCat("hidden_states: offset 257 + length ", payload.size(),
                               " exceeds the shared allocation of ")});
   bad.back().req.mutable_hidden_states()->set_offset(257);
-  bad.push_back({"wrapping range", req, grpc::StatusCode::INVALID_ARGUMENT, "output: offset "});
+  bad.push_back({"wrapping range", req, grpc::StatusCode::INVALID_ARGUMENT,
+                 absl::StrCat("output: offset ", ~uint64_t{0} - 7, " + length ", out_bytes,
+                              " exceeds the shared allocation of ")});
+  bad.back().req.mutable_output()->set_offset(~uint64_t{0} - 7);
+  bad.push_back({"huge length", req, grpc::StatusCode::RESOURCE_EXHAUSTED,
+                 "output: length 18446744073709551612 exceeds the 1073741824-byte limit"});
   bad.back().req.mutable_output()->set_offset(8);
   bad.back().req.mutable_output()->set_length(~uint64_t{0} - 3);
   bad.push_back({"output length", req, grpc::StatusCode::INVALID_ARGUMENT,
@@ -169,6 +176,7 @@ int RunClient(const std::string& address) {
                  g.error_message(), "'");
     std::fprintf(stderr, "client: %s -> %s\n", b.what, g.error_message().c_str());
     CLIENT_CHECK(cudaMemset(d_out, 0xFF, 512 + out_bytes) == cudaSuccess, "poison");
+    CLIENT_CHECK(cudaDeviceSynchronize() == cudaSuccess, "sync");
     g = call(req);
     CLIENT_CHECK(g.ok(), "good call after ", b.what, ": ", g.error_message());
     if (int rc = check_output(); rc != 0) return rc;
