@@ -138,6 +138,14 @@ absl::Status CheckRange(const Opened& o, uint64_t offset, uint64_t length,
 
 }  // namespace
 
+absl::Status CudaIpcMemory::Check(absl::string_view handle, uint64_t offset, uint64_t length,
+                                  absl::string_view field) {
+  absl::MutexLock lock(&state_->mu);
+  absl::StatusOr<Opened*> o = state_->Open(handle, field);
+  if (!o.ok()) return o.status();
+  return CheckRange(**o, offset, length, field);
+}
+
 absl::Status CudaIpcMemory::CopyToHost(absl::string_view handle, uint64_t offset, uint64_t length,
                                        void* dst, absl::string_view field) {
   char* src = nullptr;

@@ -27,6 +27,10 @@ class CudaIpcMemory {
   CudaIpcMemory(const CudaIpcMemory&) = delete;
   CudaIpcMemory& operator=(const CudaIpcMemory&) = delete;
 
+  // OK when `handle` opens and [offset, offset + length) lies inside its allocation (checked
+  // before any work is done for a request, so a bad output range costs no compute).
+  absl::Status Check(absl::string_view handle, uint64_t offset, uint64_t length,
+                     absl::string_view field);
   // Copies [offset, offset + length) of the allocation `handle` names into `dst` (host memory).
   // INVALID_ARGUMENT naming `field` for a bad handle or range.
   absl::Status CopyToHost(absl::string_view handle, uint64_t offset, uint64_t length, void* dst,

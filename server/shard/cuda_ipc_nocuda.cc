@@ -8,6 +8,10 @@ struct CudaIpcMemory::State {};
 CudaIpcMemory::CudaIpcMemory() = default;
 CudaIpcMemory::~CudaIpcMemory() = default;
 
+absl::Status CudaIpcMemory::Check(absl::string_view, uint64_t, uint64_t, absl::string_view) {
+  return absl::FailedPreconditionError("CUDA IPC: this shard was built without CUDA");
+}
+
 absl::Status CudaIpcMemory::CopyToHost(absl::string_view, uint64_t, uint64_t, void*,
                                        absl::string_view) {
   return absl::FailedPreconditionError("CUDA IPC: this shard was built without CUDA");

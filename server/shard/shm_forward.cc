@@ -140,6 +140,11 @@ absl::Status ShmForwardService::DoForwardCuda(const v1::CudaForwardRequest& cuda
                                                        "-byte limit of one ForwardCuda"));
     }
   }
+  if (absl::Status s = cuda_ipc_.Check(out_ref.handle(), out_ref.offset(), out_ref.length(),
+                                       "output");
+      !s.ok()) {
+    return s;
+  }
   HostTensor host_in =
       HostTensor::Uninitialized(DType::kU8, {static_cast<int64_t>(in_ref.length())});
   if (absl::Status s = cuda_ipc_.CopyToHost(in_ref.handle(), in_ref.offset(), in_ref.length(),
