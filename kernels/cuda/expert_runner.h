@@ -118,6 +118,11 @@ class ExpertRunner {
   // (on by default) and the GEMM variant (GemmLaunch::variant, 0 by default).
   void set_programmatic_launch(bool on) { programmatic_ = on; }
   void set_gemm_variant(int variant) { variant_ = variant; }
+  // The wgmma kernel (items of up to 128 tokens, expert_gemm_wgmma.cu) runs both GEMMs when the
+  // busiest slot has at least this many tokens; 0 never (the mma.sync kernels, as chosen by the
+  // plan and the variant). Default kDefaultWgmmaMinTokens.
+  static constexpr int kDefaultWgmmaMinTokens = 17;
+  void set_wgmma_min_tokens(int tokens) { wgmma_min_tokens_ = tokens; }
 
  private:
   absl::Status Mark(int stage, cudaStream_t stream) const;
@@ -125,6 +130,7 @@ class ExpertRunner {
   bool poison_ = false;
   bool programmatic_ = true;
   int variant_ = 0;
+  int wgmma_min_tokens_ = kDefaultWgmmaMinTokens;
   cudaEvent_t* stage_events_ = nullptr;
   DeviceBuffer x_staged_;
   DeviceBuffer slot_token_;
