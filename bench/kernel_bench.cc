@@ -326,6 +326,21 @@ int Main() {
       const Stats st = Summarize(TimeGraph(layer, runner, sets, false, reps, stream));
       const std::vector<double> old_stages = StageSplit(layer, runner, sets, stream);
       runner.set_wgmma_min_tokens(cuda::ExpertRunner::kDefaultWgmmaMinTokens);
+      // The other wgmma CTA shape (variant 1: 2 warpgroups x 2 m64 blocks).
+      runner.set_gemm_variant(1);
+      const Stats v1 = Summarize(TimeGraph(layer, runner, sets, false, reps, stream));
+      const std::vector<double> v1_stages = StageSplit(layer, runner, sets, stream);
+      runner.set_gemm_variant(0);
+      std::printf("      %-16s median %8.1f us (p10 %8.1f p90 %8.1f) stages %.1f/%.1f/%.1f/%.1f us\n",
+                  "wgmma_variant1", v1.median, v1.p10, v1.p90, v1_stages[0], v1_stages[1],
+                  v1_stages[2], v1_stages[3]);
+      extras.push_back({{"name", "wgmma_variant1"},
+                        {"device_graph", ToJson(v1)},
+                        {"stage_median_us",
+                         {{"prologue", v1_stages[0]},
+                          {"gemm1", v1_stages[1]},
+                          {"gemm2", v1_stages[2]},
+                          {"combine", v1_stages[3]}}}});
       std::printf("      %-16s median %8.1f us (p10 %8.1f p90 %8.1f) stages %.1f/%.1f/%.1f/%.1f us\n",
                   "mma_sync_no_wgmma", st.median, st.p10, st.p90, old_stages[0], old_stages[1],
                   old_stages[2], old_stages[3]);

@@ -33,11 +33,17 @@
 namespace moe::cuda::detail {
 namespace {
 
-constexpr int kWgBlocks = 2;                                // m64 blocks per warpgroup
-constexpr int kWgGroups = 2;                                // warpgroups per CTA
-constexpr int kWgThreads = kWgGroups * 128;
-constexpr int kWgCtaRows = kWgGroups * kWgBlocks * 64;      // 256 weight rows
-constexpr int kWgCtaTiles = kWgCtaRows / kTileRows;         // 16
+// CTA shapes (GemmLaunch::variant): 0: 4 warpgroups x 1 m64 block (512 threads, 128 registers
+// each: twice the warps to hide each warp's dequant latency); 1: 2 warpgroups x 2 blocks (256
+// threads, one block's wgmma group in flight while the other is dequantized). Both: 256 rows.
+template <int V>
+struct WgConfig {
+  static constexpr int kGroups = V == 1 ? 2 : 4;   // warpgroups per CTA
+  static constexpr int kBlocks = V == 1 ? 2 : 1;   // m64 blocks per warpgroup
+  static constexpr int kThreads = kGroups * 128;
+  static constexpr int kCtaRows = kGroups * kBlocks * 64;  // 256 weight rows
+  static constexpr int kCtaTiles = kCtaRows / kTileRows;   // 16
+};
 constexpr int kWgMaxTokens = 128;
 constexpr int kWgStages = 6;
 constexpr int kWgRowBytes = kChunkK * 2;                    // one token's chunk: 128 bytes
@@ -87,10 +93,10 @@ __device__ __forceinline__ uint64_t SmemDescriptor(uint32_t addr) {
 
 // Gathers one chunk of the item's first N token rows into a stage (swizzled); tokens past the
 // item's count are not copied.
-template <int N>
+template <int N, int kThreads>
 struct WgBLoader {
-  static constexpr int kPerThread = N * kActChunkVectors / kWgThreads;
-  static_assert(kPerThread * kWgThreads == N * kActChunkVectors);
+  static constexpr int kVectors = N * kActChunkVectors;
+  static constexpr int kPerThread = (kVectors + kThreads - 1) / kThreads;
   const uint4* src[kPerThread];
   uint32_t dst[kPerThread];
 
@@ -99,11 +105,11 @@ struct WgBLoader {
     const uint4* base = reinterpret_cast<const uint4*>(p.b_rows);
 #pragma unroll
     for (int k = 0; k < kPerThread; ++k) {
-      const int index = static_cast<int>(threadIdx.x) + k * kWgThreads;
+      const int index = static_cast<int>(threadIdx.x) + k * kThreads;
       const int token = index / kActChunkVectors, v = index % kActChunkVectors;
       dst[k] = static_cast<uint32_t>(token * kWgRowBytes + ((v ^ (token & 7)) << 4));
       src[k] = nullptr;
-      if (token < item.count) {
+      if (index < kVectors && token < item.count) {
         const int slot = item.slot_begin + token;
         const int row = p.b_row_of_slot != nullptr ? p.b_row_of_slot[slot] : slot;
         src[k] = base + row * row_vectors + v;
@@ -173,15 +179,16 @@ __device__ __forceinline__ void WgEpilogueY(const ExpertGemmParams& p, const Exp
 }
 
 // Everything after the item is known, for wgmma width N.
-template <class Fmt, bool kGemm1, int N>
+template <class Fmt, bool kGemm1, int V, int N>
 __device__ __forceinline__ void WgBody(const ExpertGemmParams& p, const ExpertItem& item,
                                        int row_block, uint32_t smem_base) {
-  constexpr int P = WgPrefetch<Fmt>(), MB = kWgBlocks, S = kWgStages;
+  using Cfg = WgConfig<V>;
+  constexpr int P = WgPrefetch<Fmt>(), MB = Cfg::kBlocks, S = kWgStages;
   using Scale = typename Fmt::Scale;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wg = warp >> 2, wq = warp & 3;
   const int g = lane >> 2;
-  const int tile_base = row_block * kWgCtaTiles + wg * (MB * 4) + wq;  // + 4 b: block b's tile
+  const int tile_base = row_block * Cfg::kCtaTiles + wg * (MB * 4) + wq;  // + 4 b: block b's tile
 
   WeightStream<Fmt, MB> stream;
 #pragma unroll
@@ -203,7 +210,7 @@ __device__ __forceinline__ void WgBody(const ExpertGemmParams& p, const ExpertIt
     AllowDependents();
   }
 
-  WgBLoader<N> loader;
+  WgBLoader<N, Cfg::kThreads> loader;
   loader.Init(p, item);
 #pragma unroll
   for (int st = 0; st < S - 2; ++st) {
@@ -217,6 +224,7 @@ __device__ __forceinline__ void WgBody(const ExpertGemmParams& p, const ExpertIt
 #pragma unroll
     for (int e = 0; e < N / 2; ++e) acc[b][e] = 0.f;
   uint32_t a[MB][kStepsPerChunk][4];
+  const uint64_t desc_base = SmemDescriptor(smem_base);
 
   int stage = 0;  // i % S
   for (int i0 = 0; i0 < n; i0 += P) {
@@ -231,7 +239,7 @@ __device__ __forceinline__ void WgBody(const ExpertGemmParams& p, const ExpertIt
       const int refill_stage = stage >= 2 ? stage - 2 : stage + S - 2;  // (i + S - 2) % S
       if (refill < n) loader.Load(smem_base + refill_stage * kWgStageBytes, refill);
       WgCpAsyncCommit();
-      const uint32_t stage_addr = smem_base + stage * kWgStageBytes;
+      const uint64_t stage_desc = desc_base + stage * (kWgStageBytes >> 4);
 #pragma unroll
       for (int b = 0; b < MB; ++b) {
         WgmmaWait<MB - 1>();
@@ -242,7 +250,7 @@ __device__ __forceinline__ void WgBody(const ExpertGemmParams& p, const ExpertIt
         WgmmaFence();
 #pragma unroll
         for (int step = 0; step < kStepsPerChunk; ++step) {
-          WgmmaRs<N>::Run(acc[b], a[b][step], SmemDescriptor(stage_addr + step * 32));
+          WgmmaRs<N>::Run(acc[b], a[b][step], stage_desc + step * (32 >> 4));
         }
         WgmmaCommit();
       }
@@ -264,8 +272,8 @@ __device__ __forceinline__ void WgBody(const ExpertGemmParams& p, const ExpertIt
 // blockIdx.x = row block + row_blocks * item, as in the other GEMM kernels, and the same
 // programmatic launch protocol (GEMM1 waits first; GEMM2 issues its first weight loads, then
 // waits).
-template <class Fmt, bool kGemm1>
-__global__ void __launch_bounds__(kWgThreads, 1)
+template <class Fmt, bool kGemm1, int V>
+__global__ void __launch_bounds__(WgConfig<V>::kThreads, 1)
     WgmmaGemmKernel(const ExpertGemmParams p, int row_blocks) {
   extern __shared__ uint8_t wg_smem[];
   if constexpr (kGemm1) {
@@ -279,21 +287,26 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem));
   const uint32_t smem_base = (raw + 1023u) & ~1023u;
   if (item.count <= 32) {
-    WgBody<Fmt, kGemm1, 32>(p, item, row_block, smem_base);
+    WgBody<Fmt, kGemm1, V, 32>(p, item, row_block, smem_base);
   } else if (item.count <= 64) {
-    WgBody<Fmt, kGemm1, 64>(p, item, row_block, smem_base);
+    WgBody<Fmt, kGemm1, V, 64>(p, item, row_block, smem_base);
   } else if (item.count <= 96) {
-    WgBody<Fmt, kGemm1, 96>(p, item, row_block, smem_base);
+    WgBody<Fmt, kGemm1, V, 96>(p, item, row_block, smem_base);
   } else {
-    WgBody<Fmt, kGemm1, 128>(p, item, row_block, smem_base);
+    WgBody<Fmt, kGemm1, V, 128>(p, item, row_block, smem_base);
   }
 }
 
 using WgKernel = void (*)(ExpertGemmParams, int);
-// [nvfp4][gemm2]
-constexpr WgKernel kWgKernels[2][2] = {
-    {&WgmmaGemmKernel<Mxfp4, true>, &WgmmaGemmKernel<Mxfp4, false>},
-    {&WgmmaGemmKernel<Nvfp4, true>, &WgmmaGemmKernel<Nvfp4, false>}};
+// [variant][nvfp4][gemm2]
+constexpr int kWgVariants = 2;
+constexpr WgKernel kWgKernels[kWgVariants][2][2] = {
+    {{&WgmmaGemmKernel<Mxfp4, true, 0>, &WgmmaGemmKernel<Mxfp4, false, 0>},
+     {&WgmmaGemmKernel<Nvfp4, true, 0>, &WgmmaGemmKernel<Nvfp4, false, 0>}},
+    {{&WgmmaGemmKernel<Mxfp4, true, 1>, &WgmmaGemmKernel<Mxfp4, false, 1>},
+     {&WgmmaGemmKernel<Nvfp4, true, 1>, &WgmmaGemmKernel<Nvfp4, false, 1>}}};
+constexpr int kWgThreadsOf[kWgVariants] = {WgConfig<0>::kThreads, WgConfig<1>::kThreads};
+constexpr int kWgRowsOf[kWgVariants] = {WgConfig<0>::kCtaRows, WgConfig<1>::kCtaRows};
 
 // Devices whose kernels already allow kWgSmemBytes of dynamic shared memory (bit per device).
 std::atomic<uint64_t> g_smem_configured{0};
@@ -305,12 +318,14 @@ cudaError_t ConfigureSharedMemory() {
   if (bit != 0 && (g_smem_configured.load(std::memory_order_acquire) & bit) != 0) {
     return cudaSuccess;
   }
-  for (const auto& row : kWgKernels) {
-    for (WgKernel k : row) {
+  for (const auto& table : kWgKernels) {
+    for (const auto& row : table) {
+      for (WgKernel k : row) {
       if (cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(kWgSmemBytes));
           e != cudaSuccess) {
-        return e;
+          return e;
+        }
       }
     }
   }
@@ -324,14 +339,15 @@ cudaError_t LaunchWgmmaGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
                             cudaStream_t stream) {
   if (cudaError_t e = ConfigureSharedMemory(); e != cudaSuccess) return e;
   const int64_t rows = launch.gemm1 ? 2 * static_cast<int64_t>(p.out_cols) : p.out_valid;
-  const int64_t row_blocks = (rows + kWgCtaRows - 1) / kWgCtaRows;
+  const int v = launch.variant == 1 ? 1 : 0;
+  const int64_t row_blocks = (rows + kWgRowsOf[v] - 1) / kWgRowsOf[v];
   const int64_t blocks = row_blocks * launch.num_items;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   const WgKernel kernel =
-      kWgKernels[launch.format == Fp4Format::kNvfp4 ? 1 : 0][launch.gemm1 ? 0 : 1];
+      kWgKernels[v][launch.format == Fp4Format::kNvfp4 ? 1 : 0][launch.gemm1 ? 0 : 1];
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(blocks));
-  config.blockDim = dim3(kWgThreads);
+  config.blockDim = dim3(kWgThreadsOf[v]);
   config.dynamicSmemBytes = kWgSmemBytes;
   config.stream = stream;
   cudaLaunchAttribute attr[1];
