@@ -326,21 +326,6 @@ int Main() {
       const Stats st = Summarize(TimeGraph(layer, runner, sets, false, reps, stream));
       const std::vector<double> old_stages = StageSplit(layer, runner, sets, stream);
       runner.set_wgmma_min_tokens(cuda::ExpertRunner::kDefaultWgmmaMinTokens);
-      // The other wgmma CTA shape (variant 1: 2 warpgroups x 2 m64 blocks).
-      runner.set_gemm_variant(1);
-      const Stats v1 = Summarize(TimeGraph(layer, runner, sets, false, reps, stream));
-      const std::vector<double> v1_stages = StageSplit(layer, runner, sets, stream);
-      runner.set_gemm_variant(0);
-      std::printf("      %-16s median %8.1f us (p10 %8.1f p90 %8.1f) stages %.1f/%.1f/%.1f/%.1f us\n",
-                  "wgmma_variant1", v1.median, v1.p10, v1.p90, v1_stages[0], v1_stages[1],
-                  v1_stages[2], v1_stages[3]);
-      extras.push_back({{"name", "wgmma_variant1"},
-                        {"device_graph", ToJson(v1)},
-                        {"stage_median_us",
-                         {{"prologue", v1_stages[0]},
-                          {"gemm1", v1_stages[1]},
-                          {"gemm2", v1_stages[2]},
-                          {"combine", v1_stages[3]}}}});
       std::printf("      %-16s median %8.1f us (p10 %8.1f p90 %8.1f) stages %.1f/%.1f/%.1f/%.1f us\n",
                   "mma_sync_no_wgmma", st.median, st.p10, st.p90, old_stages[0], old_stages[1],
                   old_stages[2], old_stages[3]);
@@ -351,6 +336,25 @@ int Main() {
                           {"gemm1", old_stages[1]},
                           {"gemm2", old_stages[2]},
                           {"combine", old_stages[3]}}}});
+      // The other wgmma configurations (variant 1: 2 warpgroups x 2 m64 blocks, register weight
+      // ring; variant 2: 4 x 1, register weight ring).
+      for (int variant : {1, 2}) {
+        runner.set_gemm_variant(variant);
+        const Stats vs = Summarize(TimeGraph(layer, runner, sets, false, reps, stream));
+        const std::vector<double> v_stages = StageSplit(layer, runner, sets, stream);
+        const std::string name = absl::StrCat("wgmma_variant", variant);
+        std::printf("      %-16s median %8.1f us (p10 %8.1f p90 %8.1f) stages %.1f/%.1f/%.1f/%.1f us\n",
+                    name.c_str(), vs.median, vs.p10, vs.p90, v_stages[0], v_stages[1],
+                    v_stages[2], v_stages[3]);
+        extras.push_back({{"name", name},
+                          {"device_graph", ToJson(vs)},
+                          {"stage_median_us",
+                           {{"prologue", v_stages[0]},
+                            {"gemm1", v_stages[1]},
+                            {"gemm2", v_stages[2]},
+                            {"combine", v_stages[3]}}}});
+      }
+      runner.set_gemm_variant(0);
     }
     if (tokens <= absl::GetFlag(FLAGS_extras_max_tokens)) {
       const struct {

@@ -1,23 +1,26 @@
 // Expert GEMMs for large token tiles (items of up to 128 tokens, GemmLaunch::token_groups 16) on
 // Hopper warpgroup MMA (sm_90a wgmma.mma_async, A from registers, B from shared memory).
 //
-// A CTA = 2 warpgroups x 2 m64 blocks = 256 weight rows (16 tiles of repack.h) of one item. Each
-// warp streams its two tiles' packed E2M1 codes + scales through a register ring exactly as the
-// mma.sync kernels do, and dequantizes one 64-element chunk into the A fragments of 4 k-steps
-// (the wgmma A register fragment of a warp's 16 rows is the m16n8k16 one, fp4_fragment.h). The
-// item's token rows (B, bf16, K-major) are gathered chunk by chunk into shared memory by cp.async
-// into the 128-byte-swizzled layout wgmma reads (row n at n * 128 bytes, 16-byte vector v stored
-// at vector v ^ (n % 8); stages 1024-byte aligned), kWgStages deep. The activations here are in
-// natural K order (the prologue and this GEMM1's epilogue write them so when the plan uses this
-// kernel; ExpertPrologueParams::natural_order). The item's token count picks the wgmma width
-// N in {32, 64, 96, 128} once per CTA; token columns past the count hold stale shared memory and
-// only feed accumulator columns the epilogue never writes.
+// A CTA covers 256 weight rows (16 tiles of repack.h) of one item: 4 warpgroups x 1 m64 block
+// (variants 0, 2) or 2 x 2 (variant 1); warp w of a warpgroup owns the 16 rows of one tile per
+// block. Per 64-element K chunk a warp dequantizes its tile's E2M1 codes + scales into the A
+// fragments of 4 k-steps (the wgmma A register fragment of a warp's 16 rows is the m16n8k16 one,
+// fp4_fragment.h), scales applied before the MMA exactly as in the mma.sync kernels. The codes
+// come through a shared-memory ring filled by cp.async (variant 0) or a per-warp register ring
+// (variants 1, 2). The item's token rows (B, bf16, K-major) are gathered chunk by chunk into
+// shared memory by cp.async in the 128-byte-swizzled layout wgmma reads (row n at n * 128 bytes,
+// 16-byte vector v stored at vector v ^ (n % 8); stages 1024-byte aligned). Activations on this
+// path are in natural K order (the prologue and this GEMM1's epilogue write them so when the plan
+// uses this kernel; ExpertPrologueParams::natural_order). The item's token count picks the wgmma
+// width N in {32, 64, 96, 128} once per CTA; token columns past the count hold stale shared
+// memory and only feed accumulator columns the epilogue never writes.
 //
-// Per chunk i: wait for its B stage, barrier, refill the stage of chunk i - 2 (its wgmma groups
-// finished: every warpgroup waited for them before the barrier), then per m64 block b: wait until
-// at most one wgmma group is pending (the one of block b of chunk i - 1 is done, so its A
-// registers may be rewritten), dequantize, fence, 4 wgmma (k-steps), commit. One group of the
-// other block stays in flight while a block is dequantized.
+// Per chunk i (all threads): wait for its B stage, barrier, refill the stages of chunk i - 2
+// (their wgmma groups finished: every warpgroup waited for them before the barrier), then per
+// m64 block b: wait until at most kBlocks - 1 wgmma groups are pending (the one that read block
+// b's A registers is done), dequantize, fence, 4 wgmma (k-steps), commit. Epilogues as the
+// mma.sync kernels: GEMM1 activation + biases (natural-order act rows), GEMM2 y rows; the NVFP4
+// global scales and the packing's exponent offset in ep_scale.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -34,12 +37,15 @@ namespace moe::cuda::detail {
 namespace {
 
 // CTA shapes (GemmLaunch::variant): 0: 4 warpgroups x 1 m64 block (512 threads, 128 registers
-// each: twice the warps to hide each warp's dequant latency); 1: 2 warpgroups x 2 blocks (256
-// threads, one block's wgmma group in flight while the other is dequantized). Both: 256 rows.
+// each: twice the warps to hide each warp's dequant latency), weights through a shared-memory
+// ring kWgWStages deep (cp.async, so bytes in flight cost no registers); 1: 2 warpgroups x 2
+// blocks (256 threads, one block's wgmma group in flight while the other is dequantized), weights
+// through the register ring; 2: 4 x 1 with the register ring. All: 256 rows.
 template <int V>
 struct WgConfig {
   static constexpr int kGroups = V == 1 ? 2 : 4;   // warpgroups per CTA
   static constexpr int kBlocks = V == 1 ? 2 : 1;   // m64 blocks per warpgroup
+  static constexpr bool kSmemWeights = V == 0;
   static constexpr int kThreads = kGroups * 128;
   static constexpr int kCtaRows = kGroups * kBlocks * 64;  // 256 weight rows
   static constexpr int kCtaTiles = kCtaRows / kTileRows;   // 16
@@ -48,7 +54,26 @@ constexpr int kWgMaxTokens = 128;
 constexpr int kWgStages = 6;
 constexpr int kWgRowBytes = kChunkK * 2;                    // one token's chunk: 128 bytes
 constexpr uint32_t kWgStageBytes = kWgMaxTokens * kWgRowBytes;  // 16 KB
-constexpr size_t kWgSmemBytes = kWgStages * kWgStageBytes + 1024;  // + alignment slack
+// Shared-memory weight ring (variant 0): B stages, weight stages, bytes per stage.
+constexpr int kWgBStagesW = 5;
+constexpr int kWgWStages = 12;
+template <class Fmt>
+constexpr uint32_t WgCodeStageBytes() {
+  return 16 * kChunkBytes;  // 16 tiles x 512 bytes
+}
+template <class Fmt>
+constexpr uint32_t WgScaleStageBytes() {
+  return 16 * 8 * sizeof(typename Fmt::Scale);
+}
+template <class Fmt, int V>
+constexpr size_t WgSmemBytes() {
+  if constexpr (WgConfig<V>::kSmemWeights) {
+    return kWgBStagesW * kWgStageBytes +
+           kWgWStages * (WgCodeStageBytes<Fmt>() + WgScaleStageBytes<Fmt>()) + 1024;
+  } else {
+    return kWgStages * kWgStageBytes + 1024;  // + alignment slack
+  }
+}
 
 template <class Fmt>
 constexpr int WgPrefetch() {
@@ -58,6 +83,15 @@ constexpr int WgPrefetch() {
 __device__ __forceinline__ void WgCpAsync16(uint32_t smem_addr, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem)
                : "memory");
+}
+__device__ __forceinline__ void LdShared(uint32_t addr, uint4& r) {
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void LdShared(uint32_t addr, uint32_t& r) {
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(r) : "r"(addr) : "memory");
 }
 __device__ __forceinline__ void WgCpAsyncCommit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -121,6 +155,62 @@ struct WgBLoader {
 #pragma unroll
     for (int k = 0; k < kPerThread; ++k) {
       if (src[k] != nullptr) WgCpAsync16(stage_addr + dst[k], src[k] + chunk * kActChunkVectors);
+    }
+  }
+};
+
+// Copies one chunk of the CTA's 16 weight tiles (512 bytes of codes and 8 scale units each,
+// contiguous in the repack.h layout) into a weight stage: codes [tile slot][lane] (16 bytes),
+// scales [tile slot][g]. Tiles past the matrix read tile 0 (results unused).
+template <class Fmt, int kThreads>
+struct WgWLoader {
+  using Scale = typename Fmt::Scale;
+  static constexpr int kTiles = 16;
+  static constexpr int kCodeVectors = kTiles * kWarpLanes;
+  static constexpr int kScaleVectorsPerTile = 8 * static_cast<int>(sizeof(Scale)) / 16;
+  static constexpr int kScaleVectors = kTiles * kScaleVectorsPerTile;
+  static constexpr int kCodePer = (kCodeVectors + kThreads - 1) / kThreads;
+  static constexpr int kScalePer = (kScaleVectors + kThreads - 1) / kThreads;
+  static_assert(kCodePer * kThreads == kCodeVectors);
+  const uint4* code_src[kCodePer];
+  const uint4* scale_src[kScalePer];  // null: no vector for this thread
+
+  __device__ __forceinline__ void Init(const ExpertGemmParams& p, const ExpertItem& item,
+                                       int row_block) {
+    const uint4* values = static_cast<const uint4*>(p.values) + item.expert * p.values_expert_stride;
+    const Scale* scales = static_cast<const Scale*>(p.scales) + item.expert * p.scales_expert_stride;
+#pragma unroll
+    for (int k = 0; k < kCodePer; ++k) {
+      const int idx = static_cast<int>(threadIdx.x) + k * kThreads;
+      int tile = row_block * kTiles + idx / kWarpLanes;
+      if (tile >= p.tiles) tile = 0;
+      code_src[k] = values + static_cast<int64_t>(tile) * p.chunks * kWarpLanes + idx % kWarpLanes;
+    }
+#pragma unroll
+    for (int k = 0; k < kScalePer; ++k) {
+      const int idx = static_cast<int>(threadIdx.x) + k * kThreads;
+      int tile = row_block * kTiles + idx / kScaleVectorsPerTile;
+      if (tile >= p.tiles) tile = 0;
+      scale_src[k] = idx < kScaleVectors
+                         ? reinterpret_cast<const uint4*>(scales +
+                                                          static_cast<int64_t>(tile) * p.chunks * 8) +
+                               idx % kScaleVectorsPerTile
+                         : nullptr;
+    }
+  }
+
+  __device__ __forceinline__ void Load(uint32_t code_stage, uint32_t scale_stage, int chunk) const {
+#pragma unroll
+    for (int k = 0; k < kCodePer; ++k) {
+      const int idx = static_cast<int>(threadIdx.x) + k * kThreads;
+      WgCpAsync16(code_stage + idx * 16, code_src[k] + chunk * kWarpLanes);
+    }
+#pragma unroll
+    for (int k = 0; k < kScalePer; ++k) {
+      const int idx = static_cast<int>(threadIdx.x) + k * kThreads;
+      if (scale_src[k] != nullptr) {
+        WgCpAsync16(scale_stage + idx * 16, scale_src[k] + chunk * kScaleVectorsPerTile);
+      }
     }
   }
 };
@@ -269,6 +359,118 @@ __device__ __forceinline__ void WgBody(const ExpertGemmParams& p, const ExpertIt
   }
 }
 
+// Variant 0: weights through the shared-memory ring. Per chunk i (one cp.async group: B of chunk
+// i + SB - 2 and weights of chunk i + SW - 2, both into the stages of chunk i - 2): wait for
+// B(i) (weights of i came in an earlier group), barrier, refill, then dequantize from shared
+// memory and issue the wgmma group.
+template <class Fmt, bool kGemm1, int V, int N>
+__device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const ExpertItem& item,
+                                            int row_block, uint32_t smem_base) {
+  using Cfg = WgConfig<V>;
+  using Scale = typename Fmt::Scale;
+  constexpr int MB = Cfg::kBlocks, SB = kWgBStagesW, SW = kWgWStages;
+  static_assert(Cfg::kCtaTiles == 16 && SW >= SB);
+  constexpr uint32_t kCodeStage = WgCodeStageBytes<Fmt>();
+  constexpr uint32_t kScaleStage = WgScaleStageBytes<Fmt>();
+  const uint32_t code_base = smem_base + SB * kWgStageBytes;
+  const uint32_t scale_base = code_base + SW * kCodeStage;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wg = warp >> 2, wq = warp & 3;
+  const int g = lane >> 2;
+  const int slot_base = wg * (MB * 4) + wq;  // + 4 b: block b's tile slot in the CTA
+  const int tile_base = row_block * Cfg::kCtaTiles + slot_base;
+  const int n = p.chunks;
+
+  WgWLoader<Fmt, Cfg::kThreads> wl;
+  wl.Init(p, item, row_block);
+  for (int st = 0; st < SW - 2 && st < n; ++st) {
+    wl.Load(code_base + st * kCodeStage, scale_base + st * kScaleStage, st);
+  }
+  if constexpr (!kGemm1) {
+    WaitForPrerequisites();
+    AllowDependents();
+  }
+  WgBLoader<N, Cfg::kThreads> loader;
+  loader.Init(p, item);
+#pragma unroll
+  for (int st = 0; st < SB - 2; ++st) {
+    if (st < n) loader.Load(smem_base + st * kWgStageBytes, st);
+    WgCpAsyncCommit();  // group st: B(st) (+ the weights above in group 0)
+  }
+
+  float acc[MB][N / 2];
+#pragma unroll
+  for (int b = 0; b < MB; ++b)
+#pragma unroll
+    for (int e = 0; e < N / 2; ++e) acc[b][e] = 0.f;
+  uint32_t a[MB][kStepsPerChunk][4];
+  const uint64_t desc_base = SmemDescriptor(smem_base);
+
+  int bstage = 0, wstage = 0;  // i % SB, i % SW
+  for (int i = 0; i < n; ++i) {
+    WgCpAsyncWait<SB - 3>();
+    FenceProxyAsync();
+    __syncthreads();
+    const int brefill = i + SB - 2;
+    const int brefill_stage = bstage >= 2 ? bstage - 2 : bstage + SB - 2;
+    if (brefill < n) loader.Load(smem_base + brefill_stage * kWgStageBytes, brefill);
+    const int wrefill = i + SW - 2;
+    const int wrefill_stage = wstage >= 2 ? wstage - 2 : wstage + SW - 2;
+    if (wrefill < n) {
+      wl.Load(code_base + wrefill_stage * kCodeStage, scale_base + wrefill_stage * kScaleStage,
+              wrefill);
+    }
+    WgCpAsyncCommit();
+    const uint64_t stage_desc = desc_base + bstage * (kWgStageBytes >> 4);
+    const uint32_t code_stage = code_base + wstage * kCodeStage;
+    const uint32_t scale_stage = scale_base + wstage * kScaleStage;
+#pragma unroll
+    for (int b = 0; b < MB; ++b) {
+      const int slot = slot_base + 4 * b;
+      uint4 v;
+      Scale sc;
+      LdShared(code_stage + (slot * kWarpLanes + lane) * 16, v);
+      if constexpr (sizeof(Scale) == 16) {
+        LdShared(scale_stage + (slot * 8 + g) * 16, sc);
+      } else {
+        LdShared(scale_stage + (slot * 8 + g) * 4, sc);
+      }
+      WgmmaWait<MB - 1>();
+#pragma unroll
+      for (int step = 0; step < kStepsPerChunk; ++step) {
+        DequantStep<Fmt>(v, sc, step, a[b][step]);
+      }
+      WgmmaFence();
+#pragma unroll
+      for (int step = 0; step < kStepsPerChunk; ++step) {
+        WgmmaRs<N>::Run(acc[b], a[b][step], stage_desc + step * (32 >> 4));
+      }
+      WgmmaCommit();
+    }
+    bstage = bstage == SB - 1 ? 0 : bstage + 1;
+    wstage = wstage == SW - 1 ? 0 : wstage + 1;
+  }
+  WgmmaWait<0>();
+#pragma unroll
+  for (int b = 0; b < MB; ++b) {
+    if constexpr (kGemm1) {
+      WgEpilogueAct<N>(p, item, tile_base + 4 * b, lane, acc[b]);
+    } else {
+      WgEpilogueY<N>(p, item, tile_base + 4 * b, lane, acc[b]);
+    }
+  }
+}
+
+template <class Fmt, bool kGemm1, int V, int N>
+__device__ __forceinline__ void WgRun(const ExpertGemmParams& p, const ExpertItem& item,
+                                      int row_block, uint32_t smem_base) {
+  if constexpr (WgConfig<V>::kSmemWeights) {
+    WgBodySmemW<Fmt, kGemm1, V, N>(p, item, row_block, smem_base);
+  } else {
+    WgBody<Fmt, kGemm1, V, N>(p, item, row_block, smem_base);
+  }
+}
+
 // blockIdx.x = row block + row_blocks * item, as in the other GEMM kernels, and the same
 // programmatic launch protocol (GEMM1 waits first; GEMM2 issues its first weight loads, then
 // waits).
@@ -287,28 +489,42 @@ __global__ void __launch_bounds__(WgConfig<V>::kThreads, 1)
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem));
   const uint32_t smem_base = (raw + 1023u) & ~1023u;
   if (item.count <= 32) {
-    WgBody<Fmt, kGemm1, V, 32>(p, item, row_block, smem_base);
+    WgRun<Fmt, kGemm1, V, 32>(p, item, row_block, smem_base);
   } else if (item.count <= 64) {
-    WgBody<Fmt, kGemm1, V, 64>(p, item, row_block, smem_base);
+    WgRun<Fmt, kGemm1, V, 64>(p, item, row_block, smem_base);
   } else if (item.count <= 96) {
-    WgBody<Fmt, kGemm1, V, 96>(p, item, row_block, smem_base);
+    WgRun<Fmt, kGemm1, V, 96>(p, item, row_block, smem_base);
   } else {
-    WgBody<Fmt, kGemm1, V, 128>(p, item, row_block, smem_base);
+    WgRun<Fmt, kGemm1, V, 128>(p, item, row_block, smem_base);
   }
 }
 
 using WgKernel = void (*)(ExpertGemmParams, int);
 // [variant][nvfp4][gemm2]
-constexpr int kWgVariants = 2;
-constexpr WgKernel kWgKernels[kWgVariants][2][2] = {
-    {{&WgmmaGemmKernel<Mxfp4, true, 0>, &WgmmaGemmKernel<Mxfp4, false, 0>},
-     {&WgmmaGemmKernel<Nvfp4, true, 0>, &WgmmaGemmKernel<Nvfp4, false, 0>}},
-    {{&WgmmaGemmKernel<Mxfp4, true, 1>, &WgmmaGemmKernel<Mxfp4, false, 1>},
-     {&WgmmaGemmKernel<Nvfp4, true, 1>, &WgmmaGemmKernel<Nvfp4, false, 1>}}};
-constexpr int kWgThreadsOf[kWgVariants] = {WgConfig<0>::kThreads, WgConfig<1>::kThreads};
-constexpr int kWgRowsOf[kWgVariants] = {WgConfig<0>::kCtaRows, WgConfig<1>::kCtaRows};
+constexpr int kWgVariants = 3;
+struct WgLaunchEntry {
+  WgKernel kernel;
+  int smem;
+  int threads;
+  int rows;
+};
+template <int V>
+WgLaunchEntry WgEntryOf(int nv, int gemm2) {
+  const WgKernel kernels[2][2] = {
+      {&WgmmaGemmKernel<Mxfp4, true, V>, &WgmmaGemmKernel<Mxfp4, false, V>},
+      {&WgmmaGemmKernel<Nvfp4, true, V>, &WgmmaGemmKernel<Nvfp4, false, V>}};
+  const int smem[2] = {static_cast<int>(WgSmemBytes<Mxfp4, V>()),
+                       static_cast<int>(WgSmemBytes<Nvfp4, V>())};
+  return WgLaunchEntry{kernels[nv][gemm2], smem[nv], WgConfig<V>::kThreads,
+                       WgConfig<V>::kCtaRows};
+}
+WgLaunchEntry WgLookup(int v, int nv, int gemm2) {
+  return v == 1   ? WgEntryOf<1>(nv, gemm2)
+         : v == 2 ? WgEntryOf<2>(nv, gemm2)
+                  : WgEntryOf<0>(nv, gemm2);
+}
 
-// Devices whose kernels already allow kWgSmemBytes of dynamic shared memory (bit per device).
+// Devices whose kernels already allow their (WgSmemBytes) dynamic shared memory (bit per device).
 std::atomic<uint64_t> g_smem_configured{0};
 
 cudaError_t ConfigureSharedMemory() {
@@ -318,13 +534,14 @@ cudaError_t ConfigureSharedMemory() {
   if (bit != 0 && (g_smem_configured.load(std::memory_order_acquire) & bit) != 0) {
     return cudaSuccess;
   }
-  for (const auto& table : kWgKernels) {
-    for (const auto& row : table) {
-      for (WgKernel k : row) {
-      if (cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(kWgSmemBytes));
-          e != cudaSuccess) {
-          return e;
+  for (int v = 0; v < kWgVariants; ++v) {
+    for (int nv = 0; nv < 2; ++nv) {
+      for (int gemm2 = 0; gemm2 < 2; ++gemm2) {
+        const WgLaunchEntry e = WgLookup(v, nv, gemm2);
+        if (cudaError_t err = cudaFuncSetAttribute(
+                e.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, e.smem);
+            err != cudaSuccess) {
+          return err;
         }
       }
     }
@@ -339,16 +556,16 @@ cudaError_t LaunchWgmmaGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
                             cudaStream_t stream) {
   if (cudaError_t e = ConfigureSharedMemory(); e != cudaSuccess) return e;
   const int64_t rows = launch.gemm1 ? 2 * static_cast<int64_t>(p.out_cols) : p.out_valid;
-  const int v = launch.variant == 1 ? 1 : 0;
-  const int64_t row_blocks = (rows + kWgRowsOf[v] - 1) / kWgRowsOf[v];
+  const WgLaunchEntry e = WgLookup(launch.variant, launch.format == Fp4Format::kNvfp4 ? 1 : 0,
+                                   launch.gemm1 ? 0 : 1);
+  const int64_t row_blocks = (rows + e.rows - 1) / e.rows;
   const int64_t blocks = row_blocks * launch.num_items;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  const WgKernel kernel =
-      kWgKernels[v][launch.format == Fp4Format::kNvfp4 ? 1 : 0][launch.gemm1 ? 0 : 1];
+  const WgKernel kernel = e.kernel;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(blocks));
-  config.blockDim = dim3(kWgThreadsOf[v]);
-  config.dynamicSmemBytes = kWgSmemBytes;
+  config.blockDim = dim3(e.threads);
+  config.dynamicSmemBytes = e.smem;
   config.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;

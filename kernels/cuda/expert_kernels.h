@@ -124,7 +124,9 @@ struct GemmLaunch {
   // Tuning, 0..kMaxGemmVariant. token_groups <= 2: 0, 1, 2 = the weight-streaming kernel
   // (expert_gemm.cu: 1 row warp, 1 row warp + L1 warm-up of B, 2 row warps + warm-up),
   // 3 = the tiled kernel. token_groups >= 4: 0, 1, 2 = tiled configurations
-  // (expert_gemm_tiled.cu), 3 = the streaming kernel. 0 is the measured best (NOTES-cuda.md).
+  // (expert_gemm_tiled.cu), 3 = the streaming kernel. token_groups 16 (wgmma): 0 = 4 warpgroups
+  // x 1 m64 block with a shared-memory weight ring (also 3), 1 = 2 x 2 with the register ring,
+  // 2 = 4 x 1 with the register ring. 0 is the measured best (NOTES-cuda.md; wgmma 0 and 2 tie).
   int variant = 0;
   int num_items = 0;     // the host's count (the device writes the same to *p.num_items)
   // Programmatic dependent launch: the kernel may start before its predecessor in the stream

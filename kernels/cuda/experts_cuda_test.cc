@@ -25,15 +25,17 @@ namespace {
 
 // GemmLaunch::variant 0..3 (kernels/cuda/expert_kernels.h; that header needs CUDA, this test
 // builds without it too) with the wgmma kernel off (the mma.sync kernels at every size), then
-// the wgmma kernel for every batch (wgmma_min_tokens 1, items of up to 128 tokens) in its two
-// CTA shapes (variant 0: 4 warpgroups x 1 m64 block, "v4"; variant 1: 2 x 2, "v5") and the
-// default configuration ("v6").
+// the wgmma kernel for every batch (wgmma_min_tokens 1, items of up to 128 tokens) in its three
+// configurations (variant 0: 4 warpgroups x 1 m64 block, shared-memory weight ring, "v4";
+// variant 1: 2 x 2, register ring, "v5"; variant 2: 4 x 1, register ring, "v6") and the default
+// configuration ("v7").
 constexpr int kGemmVariants = 4;
 struct BackendConfig {
   int variant;
   int wgmma_min_tokens;
 };
-constexpr BackendConfig kConfigs[] = {{0, 0}, {1, 0}, {2, 0}, {3, 0}, {0, 1}, {1, 1}, {0, -1}};
+constexpr BackendConfig kConfigs[] = {{0, 0}, {1, 0}, {2, 0}, {3, 0},
+                                      {0, 1}, {1, 1}, {2, 1}, {0, -1}};
 static_assert(kGemmVariants == 4);
 
 struct LayerCase {
