@@ -319,6 +319,43 @@ int Main() {
     const Stats e2e = Summarize(TimeGraph(layer, runner, sets, true, std::max(10, reps / 4), stream));
     const std::vector<double> stages = StageSplit(layer, runner, sets, stream);
     nlohmann::json extras = nlohmann::json::array();
+    const bool wgmma = sets[0]->plan.max_count >= cuda::ExpertRunner::kDefaultWgmmaMinTokens;
+    if (wgmma) {
+      // The same sets through the mma.sync kernels (wgmma off): old vs new in one run.
+      runner.set_wgmma_min_tokens(0);
+      const Stats st = Summarize(TimeGraph(layer, runner, sets, false, reps, stream));
+      const std::vector<double> old_stages = StageSplit(layer, runner, sets, stream);
+      runner.set_wgmma_min_tokens(cuda::ExpertRunner::kDefaultWgmmaMinTokens);
+      std::printf("      %-16s median %8.1f us (p10 %8.1f p90 %8.1f) stages %.1f/%.1f/%.1f/%.1f us\n",
+                  "mma_sync_no_wgmma", st.median, st.p10, st.p90, old_stages[0], old_stages[1],
+                  old_stages[2], old_stages[3]);
+      extras.push_back({{"name", "mma_sync_no_wgmma"},
+                        {"device_graph", ToJson(st)},
+                        {"stage_median_us",
+                         {{"prologue", old_stages[0]},
+                          {"gemm1", old_stages[1]},
+                          {"gemm2", old_stages[2]},
+                          {"combine", old_stages[3]}}}});
+      // The other wgmma configurations (variant 1: 2 warpgroups x 2 m64 blocks, register weight
+      // ring; variant 2: 4 x 1, register weight ring).
+      for (int variant : {1, 2}) {
+        runner.set_gemm_variant(variant);
+        const Stats vs = Summarize(TimeGraph(layer, runner, sets, false, reps, stream));
+        const std::vector<double> v_stages = StageSplit(layer, runner, sets, stream);
+        const std::string name = absl::StrCat("wgmma_variant", variant);
+        std::printf("      %-16s median %8.1f us (p10 %8.1f p90 %8.1f) stages %.1f/%.1f/%.1f/%.1f us\n",
+                    name.c_str(), vs.median, vs.p10, vs.p90, v_stages[0], v_stages[1],
+                    v_stages[2], v_stages[3]);
+        extras.push_back({{"name", name},
+                          {"device_graph", ToJson(vs)},
+                          {"stage_median_us",
+                           {{"prologue", v_stages[0]},
+                            {"gemm1", v_stages[1]},
+                            {"gemm2", v_stages[2]},
+                            {"combine", v_stages[3]}}}});
+      }
+      runner.set_gemm_variant(0);
+    }
     if (tokens <= absl::GetFlag(FLAGS_extras_max_tokens)) {
       const struct {
         const char* name;
@@ -364,11 +401,11 @@ int Main() {
     const double floor = std::max(memory_floor, compute_floor);
     const double target = TargetFor(problem.name, tokens);
     std::printf(
-        "T=%5lld active=%6.1f groups=%d items=%5lld | median %8.1f us (p10 %8.1f p90 %8.1f) | "
+        "T=%5lld active=%6.1f groups=%d%s items=%5lld | median %8.1f us (p10 %8.1f p90 %8.1f) | "
         "floor %7.1f us (%s) ratio %.2f | target %6.0f us %s | with copies %8.1f us | stages "
         "%.1f/%.1f/%.1f/%.1f us\n",
         static_cast<long long>(tokens), active, sets[0]->plan.token_groups,
-        static_cast<long long>(sets[0]->plan.num_items), device.median, device.p10, device.p90,
+        wgmma ? " (wgmma: 16)" : "", static_cast<long long>(sets[0]->plan.num_items), device.median, device.p10, device.p90,
         floor, memory_floor >= compute_floor ? "memory" : "compute", device.median / floor,
         target, target > 0 ? (device.median <= target ? "MET" : "missed") : "", e2e.median,
         stages[0], stages[1], stages[2], stages[3]);
@@ -376,6 +413,7 @@ int Main() {
                             {"rotations", rotations},
                             {"active_experts", active},
                             {"token_groups", sets[0]->plan.token_groups},
+                            {"wgmma", wgmma},
                             {"items", sets[0]->plan.num_items},
                             {"device_graph", ToJson(device)},
                             {"with_host_copies", ToJson(e2e)},

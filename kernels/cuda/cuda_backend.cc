@@ -64,6 +64,7 @@ class CudaExpertBackend final : public ExpertBackend {
       : options_(options), stream_(stream) {
     runner_.set_poison_scratch(options.poison_scratch);
     runner_.set_gemm_variant(options.gemm_variant);
+    if (options.wgmma_min_tokens >= 0) runner_.set_wgmma_min_tokens(options.wgmma_min_tokens);
     if (options_.upload_threads <= 0) {
       options_.upload_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     }

@@ -25,6 +25,9 @@ struct CudaBackendOptions {
   int upload_threads = 0;
   // GEMM kernel variant (expert_kernels.h GemmLaunch::variant); tests cover both.
   int gemm_variant = 0;
+  // The wgmma kernel runs both GEMMs when the busiest expert slot of a batch has at least this
+  // many tokens (ExpertRunner::set_wgmma_min_tokens); 0 never, -1 the runner's default.
+  int wgmma_min_tokens = -1;
 };
 
 // FAILED_PRECONDITION with the reason when the binary has no CUDA or no device is present.

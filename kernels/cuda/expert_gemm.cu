@@ -251,6 +251,10 @@ int GroupsIndex(int token_groups) {
 
 cudaError_t LaunchExpertGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
                              cudaStream_t stream) {
+  if (launch.token_groups == kWgmmaTokenGroups) {
+    if (launch.num_items == 0) return cudaSuccess;
+    return LaunchWgmmaGemm(p, launch, stream);
+  }
   const int index = GroupsIndex(launch.token_groups);
   if (index < 0 || launch.variant < 0 || launch.variant > kMaxGemmVariant) {
     return cudaErrorInvalidValue;

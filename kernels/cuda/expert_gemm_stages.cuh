@@ -291,6 +291,10 @@ cudaError_t LaunchMaybeProgrammatic(void (*kernel)(Params...), unsigned blocks, 
 cudaError_t LaunchTiledGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
                             cudaStream_t stream);
 
+// The wgmma kernel (expert_gemm_wgmma.cu), for token_groups 16.
+cudaError_t LaunchWgmmaGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
+                            cudaStream_t stream);
+
 }  // namespace moe::cuda::detail
 
 #endif  // MOE_KERNELS_CUDA_EXPERT_GEMM_STAGES_CUH_

@@ -53,6 +53,9 @@ struct ExpertPrologueParams {
   int32_t num_experts = 0;                // routed slots E
   int32_t num_shared = 0;                 // shared experts S (slots E .. E+S-1)
   int32_t tile_tokens = 8;                // tokens per item (8 * token groups)
+  // Stage the rows in natural K order instead of the per-chunk permutation (ActPermIndex): the
+  // wgmma kernel (token groups 16) reads B from shared memory in natural order.
+  bool natural_order = false;
   // Outputs.
   uint16_t* x_staged = nullptr;    // [T, hidden_chunks * 64] bf16, permuted per chunk, zero-padded
   int32_t* slot_token = nullptr;   // [routes] token of each grouped slot
@@ -109,15 +112,21 @@ struct ExpertCombineParams {
 cudaError_t LaunchExpertPrologue(const ExpertPrologueParams& p, cudaStream_t stream);
 
 inline constexpr int kMaxGemmVariant = 3;
+// GemmLaunch::token_groups of the wgmma kernel (items of up to 128 tokens).
+inline constexpr int kWgmmaTokenGroups = 16;
 
 struct GemmLaunch {
   Fp4Format format = Fp4Format::kMxfp4;
   bool gemm1 = true;
-  int token_groups = 1;  // 1, 2, 4 or 8
+  // 1, 2, 4 or 8: the mma.sync kernels; 16 (items of up to 128 tokens): the wgmma kernel
+  // (expert_gemm_wgmma.cu), which reads and writes activations in natural K order.
+  int token_groups = 1;
   // Tuning, 0..kMaxGemmVariant. token_groups <= 2: 0, 1, 2 = the weight-streaming kernel
   // (expert_gemm.cu: 1 row warp, 1 row warp + L1 warm-up of B, 2 row warps + warm-up),
   // 3 = the tiled kernel. token_groups >= 4: 0, 1, 2 = tiled configurations
-  // (expert_gemm_tiled.cu), 3 = the streaming kernel. 0 is the measured best (NOTES-cuda.md).
+  // (expert_gemm_tiled.cu), 3 = the streaming kernel. token_groups 16 (wgmma): 0 = 4 warpgroups
+  // x 1 m64 block with a shared-memory weight ring (also 3), 1 = 2 x 2 with the register ring,
+  // 2 = 4 x 1 with the register ring. 0 is the measured best (NOTES-cuda.md; wgmma 0 and 2 tie).
   int variant = 0;
   int num_items = 0;     // the host's count (the device writes the same to *p.num_items)
   // Programmatic dependent launch: the kernel may start before its predecessor in the stream

@@ -145,6 +145,15 @@ __device__ void StageHidden(const ExpertPrologueParams& p, int block, int blocks
     const int lane_t = w >> 1, u = w & 1;
     const int64_t row_base = token * p.hidden_size;
     uint32_t words[4];
+    if (p.natural_order) {  // elements 8 w .. 8 w + 7 of the chunk
+      const int k = chunk * kChunkK + 8 * w;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        words[i] = HiddenBf16(p, row_base, k + 2 * i) | (HiddenBf16(p, row_base, k + 2 * i + 1) << 16);
+      }
+      out[idx] = make_uint4(words[0], words[1], words[2], words[3]);
+      continue;
+    }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int k = chunk * kChunkK + (2 * u + half) * 16 + 2 * lane_t;

@@ -269,9 +269,15 @@ ExpertGemmParams GemmParams(const DeviceGemmWeights& w, const DeviceExpertLayer&
 }  // namespace
 
 absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceBatch& batch,
-                                   const RoutePlan& plan, cudaStream_t stream) {
-  if (plan.tokens == 0) return absl::OkStatus();
-  if (absl::Status s = Reserve(layer, plan); !s.ok()) return s;
+                                   const RoutePlan& given_plan, cudaStream_t stream) {
+  if (given_plan.tokens == 0) return absl::OkStatus();
+  if (absl::Status s = Reserve(layer, given_plan); !s.ok()) return s;
+  // The wgmma kernel's larger items: never more items than the given plan, so the scratch sized
+  // for it (Reserve before capture) suffices.
+  const bool wgmma = wgmma_min_tokens_ > 0 && given_plan.max_count >= wgmma_min_tokens_ &&
+                     given_plan.token_groups <= kWgmmaTokenGroups;
+  const RoutePlan& plan =
+      wgmma ? WithTokenGroups(given_plan, kWgmmaTokenGroups) : given_plan;
   if (poison_) {
     for (DeviceBuffer* b : {&x_staged_, &act_, &y_}) {
       if (absl::Status s = CudaStatus(cudaMemsetAsync(b->get(), 0xFF, b->size(), stream),
@@ -288,6 +294,7 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   pro.slot_route = slot_route_.as<int32_t>();
   pro.items = items_.as<ExpertItem>();
   pro.num_items = num_items_.as<int32_t>();
+  pro.natural_order = wgmma;
   if (absl::Status s = CudaStatus(LaunchExpertPrologue(pro, stream), "expert prologue");
       !s.ok()) {
     return s;

@@ -118,6 +118,13 @@ class ExpertRunner {
   // (on by default) and the GEMM variant (GemmLaunch::variant, 0 by default).
   void set_programmatic_launch(bool on) { programmatic_ = on; }
   void set_gemm_variant(int variant) { variant_ = variant; }
+  // The wgmma kernel (items of up to 128 tokens, expert_gemm_wgmma.cu) runs both GEMMs when the
+  // busiest slot has at least this many tokens; 0 never (the mma.sync kernels, as chosen by the
+  // plan and the variant). Default kDefaultWgmmaMinTokens: where the plan would use 64-token
+  // tiles (at 512 tokens of problem A, ~16-32 per slot, wgmma and the tiled kernel measured
+  // the same, 954-971 vs 963-966 us; from 4096 tokens wgmma is 1.6x faster, NOTES-cuda.md).
+  static constexpr int kDefaultWgmmaMinTokens = 33;
+  void set_wgmma_min_tokens(int tokens) { wgmma_min_tokens_ = tokens; }
 
  private:
   absl::Status Mark(int stage, cudaStream_t stream) const;
@@ -125,6 +132,7 @@ class ExpertRunner {
   bool poison_ = false;
   bool programmatic_ = true;
   int variant_ = 0;
+  int wgmma_min_tokens_ = kDefaultWgmmaMinTokens;
   cudaEvent_t* stage_events_ = nullptr;
   DeviceBuffer x_staged_;
   DeviceBuffer slot_token_;

@@ -24,8 +24,19 @@ namespace moe {
 namespace {
 
 // GemmLaunch::variant 0..3 (kernels/cuda/expert_kernels.h; that header needs CUDA, this test
-// builds without it too).
+// builds without it too) with the wgmma kernel off (the mma.sync kernels at every size), then
+// the wgmma kernel for every batch (wgmma_min_tokens 1, items of up to 128 tokens) in its three
+// configurations (variant 0: 4 warpgroups x 1 m64 block, shared-memory weight ring, "v4";
+// variant 1: 2 x 2, register ring, "v5"; variant 2: 4 x 1, register ring, "v6") and the default
+// configuration ("v7").
 constexpr int kGemmVariants = 4;
+struct BackendConfig {
+  int variant;
+  int wgmma_min_tokens;
+};
+constexpr BackendConfig kConfigs[] = {{0, 0}, {1, 0}, {2, 0}, {3, 0},
+                                      {0, 1}, {1, 1}, {2, 1}, {0, -1}};
+static_assert(kGemmVariants == 4);
 
 struct LayerCase {
   std::string name;
@@ -196,10 +207,11 @@ class ExpertsCudaTest : public ::testing::TestWithParam<LayerCase> {
   void SetUp() override {
     std::string why;
     if (cuda::DeviceCount(&why) == 0) GTEST_SKIP() << why;
-    for (int variant = 0; variant < kGemmVariants; ++variant) {
+    for (const BackendConfig& config : kConfigs) {
       CudaBackendOptions options;
       options.poison_scratch = true;
-      options.gemm_variant = variant;
+      options.gemm_variant = config.variant;
+      options.wgmma_min_tokens = config.wgmma_min_tokens;
       absl::StatusOr<std::unique_ptr<ExpertBackend>> b = MakeCudaExpertBackend(options);
       ASSERT_TRUE(b.ok()) << b.status();
       backends_.push_back(*std::move(b));
@@ -287,7 +299,13 @@ INSTANTIATE_TEST_SUITE_P(
         LayerCase{"mxfp4_situ_interleaved", kMx, Act(ActivationKind::kSitu, 2.f, 0.f), kIl, 1024,
                   512, 64, 6, false, 1, DType::kF32, DType::kF32, kTokens},
         LayerCase{"mxfp4_silu_large_T", kMx, Act(ActivationKind::kSilu), kIl, 256, 128, 64, 4,
-                  true, 0, DType::kBF16, DType::kBF16, {4096}}),
+                  true, 0, DType::kBF16, DType::kBF16, {4096}},
+        // Large T on padded shapes (H, I not multiples of 64) for the wgmma kernel; H = I = 2880
+        // with 128-token items and remainders: the two 2880 cases above at T = 333 (v4, v5).
+        LayerCase{"nvfp4_situ_large_T_pad", kNv, Act(ActivationKind::kSitu, 1.5f, 2.f), kIl, 336,
+                  208, 24, 3, true, 1, DType::kF32, DType::kBF16, {4096}},
+        LayerCase{"mxfp4_gelu_large_T_pad", kMx, Act(ActivationKind::kGelu), kCat, 288, 160, 16,
+                  2, true, 0, DType::kBF16, DType::kF32, {4096}}),
     [](const ::testing::TestParamInfo<LayerCase>& info) { return info.param.name; });
 
 }  // namespace

@@ -1,0 +1,578 @@
+// Expert GEMMs for large token tiles (items of up to 128 tokens, GemmLaunch::token_groups 16) on
+// Hopper warpgroup MMA (sm_90a wgmma.mma_async, A from registers, B from shared memory).
+//
+// A CTA covers 256 weight rows (16 tiles of repack.h) of one item: 4 warpgroups x 1 m64 block
+// (variants 0, 2) or 2 x 2 (variant 1); warp w of a warpgroup owns the 16 rows of one tile per
+// block. Per 64-element K chunk a warp dequantizes its tile's E2M1 codes + scales into the A
+// fragments of 4 k-steps (the wgmma A register fragment of a warp's 16 rows is the m16n8k16 one,
+// fp4_fragment.h), scales applied before the MMA exactly as in the mma.sync kernels. The codes
+// come through a shared-memory ring filled by cp.async (variant 0) or a per-warp register ring
+// (variants 1, 2). The item's token rows (B, bf16, K-major) are gathered chunk by chunk into
+// shared memory by cp.async in the 128-byte-swizzled layout wgmma reads (row n at n * 128 bytes,
+// 16-byte vector v stored at vector v ^ (n % 8); stages 1024-byte aligned). Activations on this
+// path are in natural K order (the prologue and this GEMM1's epilogue write them so when the plan
+// uses this kernel; ExpertPrologueParams::natural_order). The item's token count picks the wgmma
+// width N in {32, 64, 96, 128} once per CTA; token columns past the count hold stale shared
+// memory and only feed accumulator columns the epilogue never writes.
+//
+// Per chunk i (all threads): wait for its B stage, barrier, refill the stages of chunk i - 2
+// (their wgmma groups finished: every warpgroup waited for them before the barrier), then per
+// m64 block b: wait until at most kBlocks - 1 wgmma groups are pending (the one that read block
+// b's A registers is done), dequantize, fence, 4 wgmma (k-steps), commit. Epilogues as the
+// mma.sync kernels: GEMM1 activation + biases (natural-order act rows), GEMM2 y rows; the NVFP4
+// global scales and the packing's exponent offset in ep_scale.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/cuda/expert_gemm_stages.cuh"
+#include "kernels/cuda/expert_kernels.h"
+#include "kernels/cuda/fp4_fragment.h"
+#include "kernels/cuda/wgmma_ops.cuh"
+
+namespace moe::cuda::detail {
+namespace {
+
+// CTA shapes (GemmLaunch::variant): 0: 4 warpgroups x 1 m64 block (512 threads, 128 registers
+// each: twice the warps to hide each warp's dequant latency), weights through a shared-memory
+// ring kWgWStages deep (cp.async, so bytes in flight cost no registers); 1: 2 warpgroups x 2
+// blocks (256 threads, one block's wgmma group in flight while the other is dequantized), weights
+// through the register ring; 2: 4 x 1 with the register ring. All: 256 rows.
+template <int V>
+struct WgConfig {
+  static constexpr int kGroups = V == 1 ? 2 : 4;   // warpgroups per CTA
+  static constexpr int kBlocks = V == 1 ? 2 : 1;   // m64 blocks per warpgroup
+  static constexpr bool kSmemWeights = V == 0;
+  static constexpr int kThreads = kGroups * 128;
+  static constexpr int kCtaRows = kGroups * kBlocks * 64;  // 256 weight rows
+  static constexpr int kCtaTiles = kCtaRows / kTileRows;   // 16
+};
+constexpr int kWgMaxTokens = 128;
+constexpr int kWgStages = 6;
+constexpr int kWgRowBytes = kChunkK * 2;                    // one token's chunk: 128 bytes
+constexpr uint32_t kWgStageBytes = kWgMaxTokens * kWgRowBytes;  // 16 KB
+// Shared-memory weight ring (variant 0): B stages, weight stages, bytes per stage.
+constexpr int kWgBStagesW = 5;
+constexpr int kWgWStages = 12;
+template <class Fmt>
+constexpr uint32_t WgCodeStageBytes() {
+  return 16 * kChunkBytes;  // 16 tiles x 512 bytes
+}
+template <class Fmt>
+constexpr uint32_t WgScaleStageBytes() {
+  return 16 * 8 * sizeof(typename Fmt::Scale);
+}
+template <class Fmt, int V>
+constexpr size_t WgSmemBytes() {
+  if constexpr (WgConfig<V>::kSmemWeights) {
+    return kWgBStagesW * kWgStageBytes +
+           kWgWStages * (WgCodeStageBytes<Fmt>() + WgScaleStageBytes<Fmt>()) + 1024;
+  } else {
+    return kWgStages * kWgStageBytes + 1024;  // + alignment slack
+  }
+}
+
+template <class Fmt>
+constexpr int WgPrefetch() {
+  return std::is_same_v<Fmt, Mxfp4> ? 4 : 3;  // weight chunks in flight per warp
+}
+
+__device__ __forceinline__ void WgCpAsync16(uint32_t smem_addr, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem)
+               : "memory");
+}
+__device__ __forceinline__ void LdShared(uint32_t addr, uint4& r) {
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void LdShared(uint32_t addr, uint32_t& r) {
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(r) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void WgCpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void WgCpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// cp.async writes are generic-proxy writes; wgmma reads shared memory through the async proxy.
+__device__ __forceinline__ void FenceProxyAsync() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void WgmmaFence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void WgmmaCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row core groups 1024 bytes apart
+// (stride byte offset), leading byte offset unused for this layout (1), base offset 0.
+__device__ __forceinline__ uint64_t SmemDescriptor(uint32_t addr) {
+  uint64_t d = static_cast<uint64_t>((addr & 0x3FFFFu) >> 4);
+  d |= static_cast<uint64_t>(1) << 16;
+  d |= static_cast<uint64_t>(1024 >> 4) << 32;
+  d |= static_cast<uint64_t>(1) << 62;
+  return d;
+}
+
+// Gathers one chunk of the item's first N token rows into a stage (swizzled); tokens past the
+// item's count are not copied.
+template <int N, int kThreads>
+struct WgBLoader {
+  static constexpr int kVectors = N * kActChunkVectors;
+  static constexpr int kPerThread = (kVectors + kThreads - 1) / kThreads;
+  const uint4* src[kPerThread];
+  uint32_t dst[kPerThread];
+
+  __device__ __forceinline__ void Init(const ExpertGemmParams& p, const ExpertItem& item) {
+    const int64_t row_vectors = static_cast<int64_t>(p.chunks) * kActChunkVectors;
+    const uint4* base = reinterpret_cast<const uint4*>(p.b_rows);
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      const int index = static_cast<int>(threadIdx.x) + k * kThreads;
+      const int token = index / kActChunkVectors, v = index % kActChunkVectors;
+      dst[k] = static_cast<uint32_t>(token * kWgRowBytes + ((v ^ (token & 7)) << 4));
+      src[k] = nullptr;
+      if (index < kVectors && token < item.count) {
+        const int slot = item.slot_begin + token;
+        const int row = p.b_row_of_slot != nullptr ? p.b_row_of_slot[slot] : slot;
+        src[k] = base + row * row_vectors + v;
+      }
+    }
+  }
+
+  __device__ __forceinline__ void Load(uint32_t stage_addr, int chunk) const {
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      if (src[k] != nullptr) WgCpAsync16(stage_addr + dst[k], src[k] + chunk * kActChunkVectors);
+    }
+  }
+};
+
+// Copies one chunk of the CTA's 16 weight tiles (512 bytes of codes and 8 scale units each,
+// contiguous in the repack.h layout) into a weight stage: codes [tile slot][lane] (16 bytes),
+// scales [tile slot][g]. Tiles past the matrix read tile 0 (results unused).
+template <class Fmt, int kThreads>
+struct WgWLoader {
+  using Scale = typename Fmt::Scale;
+  static constexpr int kTiles = 16;
+  static constexpr int kCodeVectors = kTiles * kWarpLanes;
+  static constexpr int kScaleVectorsPerTile = 8 * static_cast<int>(sizeof(Scale)) / 16;
+  static constexpr int kScaleVectors = kTiles * kScaleVectorsPerTile;
+  static constexpr int kCodePer = (kCodeVectors + kThreads - 1) / kThreads;
+  static constexpr int kScalePer = (kScaleVectors + kThreads - 1) / kThreads;
+  static_assert(kCodePer * kThreads == kCodeVectors);
+  const uint4* code_src[kCodePer];
+  const uint4* scale_src[kScalePer];  // null: no vector for this thread
+
+  __device__ __forceinline__ void Init(const ExpertGemmParams& p, const ExpertItem& item,
+                                       int row_block) {
+    const uint4* values = static_cast<const uint4*>(p.values) + item.expert * p.values_expert_stride;
+    const Scale* scales = static_cast<const Scale*>(p.scales) + item.expert * p.scales_expert_stride;
+#pragma unroll
+    for (int k = 0; k < kCodePer; ++k) {
+      const int idx = static_cast<int>(threadIdx.x) + k * kThreads;
+      int tile = row_block * kTiles + idx / kWarpLanes;
+      if (tile >= p.tiles) tile = 0;
+      code_src[k] = values + static_cast<int64_t>(tile) * p.chunks * kWarpLanes + idx % kWarpLanes;
+    }
+#pragma unroll
+    for (int k = 0; k < kScalePer; ++k) {
+      const int idx = static_cast<int>(threadIdx.x) + k * kThreads;
+      int tile = row_block * kTiles + idx / kScaleVectorsPerTile;
+      if (tile >= p.tiles) tile = 0;
+      scale_src[k] = idx < kScaleVectors
+                         ? reinterpret_cast<const uint4*>(scales +
+                                                          static_cast<int64_t>(tile) * p.chunks * 8) +
+                               idx % kScaleVectorsPerTile
+                         : nullptr;
+    }
+  }
+
+  __device__ __forceinline__ void Load(uint32_t code_stage, uint32_t scale_stage, int chunk) const {
+#pragma unroll
+    for (int k = 0; k < kCodePer; ++k) {
+      const int idx = static_cast<int>(threadIdx.x) + k * kThreads;
+      WgCpAsync16(code_stage + idx * 16, code_src[k] + chunk * kWarpLanes);
+    }
+#pragma unroll
+    for (int k = 0; k < kScalePer; ++k) {
+      const int idx = static_cast<int>(threadIdx.x) + k * kThreads;
+      if (scale_src[k] != nullptr) {
+        WgCpAsync16(scale_stage + idx * 16, scale_src[k] + chunk * kScaleVectorsPerTile);
+      }
+    }
+  }
+};
+
+// GEMM1 epilogue (natural order act rows): acc[4q + e] = (row g (e < 2: gate) or g + 8 (up),
+// token 8q + 2t + e % 2) of tile `tile`.
+template <int N>
+__device__ __forceinline__ void WgEpilogueAct(const ExpertGemmParams& p, const ExpertItem& item,
+                                              int tile, int lane, const float (&acc)[N / 2]) {
+  const int g = lane >> 2, t = lane & 3;
+  if (tile * 8 >= p.out_cols) return;
+  const float scale_gate = p.ep_scale[item.expert * 3 + 0];
+  const float scale_up = p.ep_scale[item.expert * 3 + 1];
+  const int j = tile * 8 + g;
+  const bool real = j < p.out_valid;
+  const int64_t bias_at = static_cast<int64_t>(item.expert) * p.out_valid + j;
+  const float bias_gate = real ? p.bias_a[bias_at] : 0.f;
+  const float bias_up = real ? p.bias_b[bias_at] : 0.f;
+#pragma unroll
+  for (int q = 0; q < N / 8; ++q) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = q * kTileTokens + 2 * t + e;
+      if (col >= item.count) continue;
+      const float value = real ? Activate(p.act, acc[4 * q + e] * scale_gate + bias_gate,
+                                          acc[4 * q + 2 + e] * scale_up + bias_up)
+                               : 0.f;
+      const int64_t row = item.slot_begin + col;
+      p.act_out[row * p.out_cols + j] = __bfloat16_as_ushort(__float2bfloat16_rn(value));
+    }
+  }
+}
+
+// GEMM2 epilogue: y[route, h] = acc * scale + b2[h].
+template <int N>
+__device__ __forceinline__ void WgEpilogueY(const ExpertGemmParams& p, const ExpertItem& item,
+                                            int tile, int lane, const float (&acc)[N / 2]) {
+  const int g = lane >> 2, t = lane & 3;
+  const float scale = p.ep_scale[item.expert * 3 + 2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int h = tile * kTileRows + g + 8 * half;
+    if (h >= p.out_valid) continue;
+    const float bias = p.bias_a[static_cast<int64_t>(item.expert) * p.out_valid + h];
+#pragma unroll
+    for (int q = 0; q < N / 8; ++q) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = q * kTileTokens + 2 * t + e;
+        if (col >= item.count) continue;
+        const int64_t route = p.slot_route[item.slot_begin + col];
+        p.y_out[route * p.out_cols + h] = acc[4 * q + 2 * half + e] * scale + bias;
+      }
+    }
+  }
+}
+
+// Everything after the item is known, for wgmma width N.
+template <class Fmt, bool kGemm1, int V, int N>
+__device__ __forceinline__ void WgBody(const ExpertGemmParams& p, const ExpertItem& item,
+                                       int row_block, uint32_t smem_base) {
+  using Cfg = WgConfig<V>;
+  constexpr int P = WgPrefetch<Fmt>(), MB = Cfg::kBlocks, S = kWgStages;
+  using Scale = typename Fmt::Scale;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wg = warp >> 2, wq = warp & 3;
+  const int g = lane >> 2;
+  const int tile_base = row_block * Cfg::kCtaTiles + wg * (MB * 4) + wq;  // + 4 b: block b's tile
+
+  WeightStream<Fmt, MB> stream;
+#pragma unroll
+  for (int b = 0; b < MB; ++b) {
+    const int tile = tile_base + 4 * b < p.tiles ? tile_base + 4 * b : 0;  // past: unused
+    const int64_t base = static_cast<int64_t>(tile) * p.chunks;
+    stream.values[b] = static_cast<const uint4*>(p.values) +
+                       item.expert * p.values_expert_stride + base * kWarpLanes + lane;
+    stream.scales[b] = static_cast<const Scale*>(p.scales) +
+                       item.expert * p.scales_expert_stride + base * 8 + g;
+  }
+  const int n = p.chunks;
+  uint4 v[P][MB];
+  Scale s[P][MB];
+#pragma unroll
+  for (int i = 0; i < P; ++i) stream.LoadIf(i < n, i, v[i], s[i]);
+  if constexpr (!kGemm1) {
+    WaitForPrerequisites();
+    AllowDependents();
+  }
+
+  WgBLoader<N, Cfg::kThreads> loader;
+  loader.Init(p, item);
+#pragma unroll
+  for (int st = 0; st < S - 2; ++st) {
+    if (st < n) loader.Load(smem_base + st * kWgStageBytes, st);
+    WgCpAsyncCommit();
+  }
+
+  float acc[MB][N / 2];
+#pragma unroll
+  for (int b = 0; b < MB; ++b)
+#pragma unroll
+    for (int e = 0; e < N / 2; ++e) acc[b][e] = 0.f;
+  uint32_t a[MB][kStepsPerChunk][4];
+  const uint64_t desc_base = SmemDescriptor(smem_base);
+
+  int stage = 0;  // i % S
+  for (int i0 = 0; i0 < n; i0 += P) {
+#pragma unroll
+    for (int pp = 0; pp < P; ++pp) {
+      const int i = i0 + pp;
+      if (i >= n) break;
+      WgCpAsyncWait<S - 3>();
+      FenceProxyAsync();
+      __syncthreads();
+      const int refill = i + S - 2;
+      const int refill_stage = stage >= 2 ? stage - 2 : stage + S - 2;  // (i + S - 2) % S
+      if (refill < n) loader.Load(smem_base + refill_stage * kWgStageBytes, refill);
+      WgCpAsyncCommit();
+      const uint64_t stage_desc = desc_base + stage * (kWgStageBytes >> 4);
+#pragma unroll
+      for (int b = 0; b < MB; ++b) {
+        WgmmaWait<MB - 1>();
+#pragma unroll
+        for (int step = 0; step < kStepsPerChunk; ++step) {
+          DequantStep<Fmt>(v[pp][b], s[pp][b], step, a[b][step]);
+        }
+        WgmmaFence();
+#pragma unroll
+        for (int step = 0; step < kStepsPerChunk; ++step) {
+          WgmmaRs<N>::Run(acc[b], a[b][step], stage_desc + step * (32 >> 4));
+        }
+        WgmmaCommit();
+      }
+      stream.LoadIf(i + P < n, i + P, v[pp], s[pp]);
+      stage = stage == S - 1 ? 0 : stage + 1;
+    }
+  }
+  WgmmaWait<0>();
+#pragma unroll
+  for (int b = 0; b < MB; ++b) {
+    if constexpr (kGemm1) {
+      WgEpilogueAct<N>(p, item, tile_base + 4 * b, lane, acc[b]);
+    } else {
+      WgEpilogueY<N>(p, item, tile_base + 4 * b, lane, acc[b]);
+    }
+  }
+}
+
+// Variant 0: weights through the shared-memory ring. Per chunk i (one cp.async group: B of chunk
+// i + SB - 2 and weights of chunk i + SW - 2, both into the stages of chunk i - 2): wait for
+// B(i) (weights of i came in an earlier group), barrier, refill, then dequantize from shared
+// memory and issue the wgmma group.
+template <class Fmt, bool kGemm1, int V, int N>
+__device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const ExpertItem& item,
+                                            int row_block, uint32_t smem_base) {
+  using Cfg = WgConfig<V>;
+  using Scale = typename Fmt::Scale;
+  constexpr int MB = Cfg::kBlocks, SB = kWgBStagesW, SW = kWgWStages;
+  static_assert(Cfg::kCtaTiles == 16 && SW >= SB);
+  constexpr uint32_t kCodeStage = WgCodeStageBytes<Fmt>();
+  constexpr uint32_t kScaleStage = WgScaleStageBytes<Fmt>();
+  const uint32_t code_base = smem_base + SB * kWgStageBytes;
+  const uint32_t scale_base = code_base + SW * kCodeStage;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wg = warp >> 2, wq = warp & 3;
+  const int g = lane >> 2;
+  const int slot_base = wg * (MB * 4) + wq;  // + 4 b: block b's tile slot in the CTA
+  const int tile_base = row_block * Cfg::kCtaTiles + slot_base;
+  const int n = p.chunks;
+
+  WgWLoader<Fmt, Cfg::kThreads> wl;
+  wl.Init(p, item, row_block);
+  for (int st = 0; st < SW - 2 && st < n; ++st) {
+    wl.Load(code_base + st * kCodeStage, scale_base + st * kScaleStage, st);
+  }
+  if constexpr (!kGemm1) {
+    WaitForPrerequisites();
+    AllowDependents();
+  }
+  WgBLoader<N, Cfg::kThreads> loader;
+  loader.Init(p, item);
+#pragma unroll
+  for (int st = 0; st < SB - 2; ++st) {
+    if (st < n) loader.Load(smem_base + st * kWgStageBytes, st);
+    WgCpAsyncCommit();  // group st: B(st) (+ the weights above in group 0)
+  }
+
+  float acc[MB][N / 2];
+#pragma unroll
+  for (int b = 0; b < MB; ++b)
+#pragma unroll
+    for (int e = 0; e < N / 2; ++e) acc[b][e] = 0.f;
+  uint32_t a[MB][kStepsPerChunk][4];
+  const uint64_t desc_base = SmemDescriptor(smem_base);
+
+  int bstage = 0, wstage = 0;  // i % SB, i % SW
+  for (int i = 0; i < n; ++i) {
+    WgCpAsyncWait<SB - 3>();
+    FenceProxyAsync();
+    __syncthreads();
+    const int brefill = i + SB - 2;
+    const int brefill_stage = bstage >= 2 ? bstage - 2 : bstage + SB - 2;
+    if (brefill < n) loader.Load(smem_base + brefill_stage * kWgStageBytes, brefill);
+    const int wrefill = i + SW - 2;
+    const int wrefill_stage = wstage >= 2 ? wstage - 2 : wstage + SW - 2;
+    if (wrefill < n) {
+      wl.Load(code_base + wrefill_stage * kCodeStage, scale_base + wrefill_stage * kScaleStage,
+              wrefill);
+    }
+    WgCpAsyncCommit();
+    const uint64_t stage_desc = desc_base + bstage * (kWgStageBytes >> 4);
+    const uint32_t code_stage = code_base + wstage * kCodeStage;
+    const uint32_t scale_stage = scale_base + wstage * kScaleStage;
+#pragma unroll
+    for (int b = 0; b < MB; ++b) {
+      const int slot = slot_base + 4 * b;
+      uint4 v;
+      Scale sc;
+      LdShared(code_stage + (slot * kWarpLanes + lane) * 16, v);
+      if constexpr (sizeof(Scale) == 16) {
+        LdShared(scale_stage + (slot * 8 + g) * 16, sc);
+      } else {
+        LdShared(scale_stage + (slot * 8 + g) * 4, sc);
+      }
+      WgmmaWait<MB - 1>();
+#pragma unroll
+      for (int step = 0; step < kStepsPerChunk; ++step) {
+        DequantStep<Fmt>(v, sc, step, a[b][step]);
+      }
+      WgmmaFence();
+#pragma unroll
+      for (int step = 0; step < kStepsPerChunk; ++step) {
+        WgmmaRs<N>::Run(acc[b], a[b][step], stage_desc + step * (32 >> 4));
+      }
+      WgmmaCommit();
+    }
+    bstage = bstage == SB - 1 ? 0 : bstage + 1;
+    wstage = wstage == SW - 1 ? 0 : wstage + 1;
+  }
+  WgmmaWait<0>();
+#pragma unroll
+  for (int b = 0; b < MB; ++b) {
+    if constexpr (kGemm1) {
+      WgEpilogueAct<N>(p, item, tile_base + 4 * b, lane, acc[b]);
+    } else {
+      WgEpilogueY<N>(p, item, tile_base + 4 * b, lane, acc[b]);
+    }
+  }
+}
+
+template <class Fmt, bool kGemm1, int V, int N>
+__device__ __forceinline__ void WgRun(const ExpertGemmParams& p, const ExpertItem& item,
+                                      int row_block, uint32_t smem_base) {
+  if constexpr (WgConfig<V>::kSmemWeights) {
+    WgBodySmemW<Fmt, kGemm1, V, N>(p, item, row_block, smem_base);
+  } else {
+    WgBody<Fmt, kGemm1, V, N>(p, item, row_block, smem_base);
+  }
+}
+
+// blockIdx.x = row block + row_blocks * item, as in the other GEMM kernels, and the same
+// programmatic launch protocol (GEMM1 waits first; GEMM2 issues its first weight loads, then
+// waits).
+template <class Fmt, bool kGemm1, int V>
+__global__ void __launch_bounds__(WgConfig<V>::kThreads, 1)
+    WgmmaGemmKernel(const ExpertGemmParams p, int row_blocks) {
+  extern __shared__ uint8_t wg_smem[];
+  if constexpr (kGemm1) {
+    WaitForPrerequisites();
+    AllowDependents();
+  }
+  const int item_index = static_cast<int>(blockIdx.x / row_blocks);
+  const int row_block = static_cast<int>(blockIdx.x % row_blocks);
+  if (item_index >= *p.num_items) return;  // whole CTA, before any barrier
+  const ExpertItem item = p.items[item_index];
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem));
+  const uint32_t smem_base = (raw + 1023u) & ~1023u;
+  if (item.count <= 32) {
+    WgRun<Fmt, kGemm1, V, 32>(p, item, row_block, smem_base);
+  } else if (item.count <= 64) {
+    WgRun<Fmt, kGemm1, V, 64>(p, item, row_block, smem_base);
+  } else if (item.count <= 96) {
+    WgRun<Fmt, kGemm1, V, 96>(p, item, row_block, smem_base);
+  } else {
+    WgRun<Fmt, kGemm1, V, 128>(p, item, row_block, smem_base);
+  }
+}
+
+using WgKernel = void (*)(ExpertGemmParams, int);
+// [variant][nvfp4][gemm2]
+constexpr int kWgVariants = 3;
+struct WgLaunchEntry {
+  WgKernel kernel;
+  int smem;
+  int threads;
+  int rows;
+};
+template <int V>
+WgLaunchEntry WgEntryOf(int nv, int gemm2) {
+  const WgKernel kernels[2][2] = {
+      {&WgmmaGemmKernel<Mxfp4, true, V>, &WgmmaGemmKernel<Mxfp4, false, V>},
+      {&WgmmaGemmKernel<Nvfp4, true, V>, &WgmmaGemmKernel<Nvfp4, false, V>}};
+  const int smem[2] = {static_cast<int>(WgSmemBytes<Mxfp4, V>()),
+                       static_cast<int>(WgSmemBytes<Nvfp4, V>())};
+  return WgLaunchEntry{kernels[nv][gemm2], smem[nv], WgConfig<V>::kThreads,
+                       WgConfig<V>::kCtaRows};
+}
+WgLaunchEntry WgLookup(int v, int nv, int gemm2) {
+  return v == 1   ? WgEntryOf<1>(nv, gemm2)
+         : v == 2 ? WgEntryOf<2>(nv, gemm2)
+                  : WgEntryOf<0>(nv, gemm2);
+}
+
+// Devices whose kernels already allow their (WgSmemBytes) dynamic shared memory (bit per device).
+std::atomic<uint64_t> g_smem_configured{0};
+
+cudaError_t ConfigureSharedMemory() {
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (bit != 0 && (g_smem_configured.load(std::memory_order_acquire) & bit) != 0) {
+    return cudaSuccess;
+  }
+  for (int v = 0; v < kWgVariants; ++v) {
+    for (int nv = 0; nv < 2; ++nv) {
+      for (int gemm2 = 0; gemm2 < 2; ++gemm2) {
+        const WgLaunchEntry e = WgLookup(v, nv, gemm2);
+        if (cudaError_t err = cudaFuncSetAttribute(
+                e.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, e.smem);
+            err != cudaSuccess) {
+          return err;
+        }
+      }
+    }
+  }
+  g_smem_configured.fetch_or(bit, std::memory_order_acq_rel);
+  return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t LaunchWgmmaGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
+                            cudaStream_t stream) {
+  if (cudaError_t e = ConfigureSharedMemory(); e != cudaSuccess) return e;
+  const int64_t rows = launch.gemm1 ? 2 * static_cast<int64_t>(p.out_cols) : p.out_valid;
+  const WgLaunchEntry e = WgLookup(launch.variant, launch.format == Fp4Format::kNvfp4 ? 1 : 0,
+                                   launch.gemm1 ? 0 : 1);
+  const int64_t row_blocks = (rows + e.rows - 1) / e.rows;
+  const int64_t blocks = row_blocks * launch.num_items;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  const WgKernel kernel = e.kernel;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(e.threads);
+  config.dynamicSmemBytes = e.smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = launch.programmatic ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, p, static_cast<int>(row_blocks));
+}
+
+}  // namespace moe::cuda::detail
