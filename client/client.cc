@@ -163,14 +163,17 @@ v1::ClusterMap MoeClient::cluster_map() const {
   return s ? s->map : v1::ClusterMap();
 }
 
-v1::ExpertShard::Stub* MoeClient::ShardStub(const std::string& address) {
+MoeClient::ShardStubs* MoeClient::ShardStub(const std::string& address) {
   absl::MutexLock lock(&mu_);
-  auto& stub = stubs_[address];
-  if (!stub) {
-    stub = v1::ExpertShard::NewStub(
-        MakeChannel(address, options_.security.value_or(DefaultChannelSecurity())));
+  auto& stubs = stubs_[address];
+  if (!stubs) {
+    std::shared_ptr<grpc::Channel> channel =
+        MakeChannel(address, options_.security.value_or(DefaultChannelSecurity()));
+    stubs = std::make_unique<ShardStubs>();
+    stubs->stub = v1::ExpertShard::NewStub(channel);
+    stubs->raw = std::make_unique<grpc::GenericStub>(channel);
   }
-  return stub.get();
+  return stubs.get();
 }
 
 absl::Status MoeClient::RouteLogits(const RoutingParams& params, const TensorView& logits,

@@ -50,6 +50,10 @@ struct ForwardOptions {
   // Mark each token for exactly one shard to add the shared-expert output.
   bool shared_experts = false;
   absl::Duration deadline = absl::ZeroDuration();  // 0: ClientOptions::default_deadline
+  // Send each shard's hidden states and receive its output as raw gRPC slices
+  // (ExpertShard/ForwardRaw, server/common/raw_frame.h) instead of protobuf `bytes`: no protobuf
+  // copy of the tensors on either side. Same validation and errors as Forward.
+  bool raw_transport = true;
 };
 
 struct ForwardResult {
@@ -96,7 +100,11 @@ class MoeClient {
   explicit MoeClient(ClientOptions options);
   absl::Status InstallMap(const v1::ClusterMap& map);
   std::shared_ptr<const MapState> map_state() const;
-  v1::ExpertShard::Stub* ShardStub(const std::string& address);
+  struct ShardStubs {
+    std::unique_ptr<v1::ExpertShard::Stub> stub;
+    std::unique_ptr<grpc::GenericStub> raw;  // ForwardRaw frames on the same channel
+  };
+  ShardStubs* ShardStub(const std::string& address);
   absl::StatusOr<ForwardResult> ForwardOnce(const MapState& state, int layer,
                                             const TensorView& hidden, const TensorView& topk_ids,
                                             const TensorView& topk_weights,
@@ -107,7 +115,7 @@ class MoeClient {
   std::unique_ptr<v1::Coordinator::Stub> coordinator_;
   mutable absl::Mutex mu_;
   std::shared_ptr<const MapState> state_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::unique_ptr<v1::ExpertShard::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::unique_ptr<ShardStubs>> stubs_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> stopping_{false};
   std::unique_ptr<grpc::ClientContext> watch_ctx_ ABSL_GUARDED_BY(mu_);
   std::thread watcher_;

@@ -1,5 +1,7 @@
 // MoeClient::ForwardOnce: one attempt of a dispatched forward under one map version.
 #include <cstring>
+#include <optional>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -8,6 +10,7 @@
 #include "client/dispatch.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/formats.h"
+#include "server/common/raw_frame.h"
 #include "server/common/status.h"
 #include "server/common/wire.h"
 
@@ -45,10 +48,14 @@ std::string HiddenRows(const TensorView& hidden, const std::vector<int64_t>& row
   return out;
 }
 
-// Adds a shard's [n, H] output (F32 or BF16) into the rows it answers for.
+void DeleteString(void* p) { delete static_cast<std::string*>(p); }
+
+// Adds a shard's [n, H] output (F32 or BF16) into the rows it answers for. `data`: the output's
+// bytes when they came outside the message (a raw frame's payload).
 absl::Status Accumulate(const v1::Tensor& wire, const std::vector<int64_t>& rows, int64_t h,
-                        float* out) {
-  absl::StatusOr<TensorView> view = ViewOf(wire, "output");
+                        float* out, std::optional<absl::string_view> data = std::nullopt) {
+  absl::StatusOr<TensorView> view =
+      data.has_value() ? ViewOf(wire, "output", *data) : ViewOf(wire, "output");
   if (!view.ok()) return view.status();
   const int64_t n = static_cast<int64_t>(rows.size());
   if (absl::Status s = CheckTensorOneOf(*view, "output", {DType::kF32, DType::kBF16}, {n, h});
@@ -73,6 +80,7 @@ struct MoeClient::ShardCall {
   grpc::ClientContext ctx;
   v1::ForwardRequest request;
   v1::ForwardResponse response;
+  grpc::ByteBuffer raw_request, raw_response;  // ForwardOptions::raw_transport
   grpc::Status status;
 };
 
@@ -138,18 +146,29 @@ absl::StatusOr<ForwardResult> MoeClient::ForwardOnce(
       for (int64_t i = 0; i < n; ++i) mask[i] = plan->shared_rank[call->tokens[i]] == rank;
       SetTensor(req.mutable_shared_mask(), DType::kBool, {n}, std::move(mask));
     }
+    if (options.raw_transport) {
+      // The hidden-state bytes leave the message and travel as their own slice (owned by it).
+      auto* payload = new std::string(std::move(*req.mutable_hidden_states()->mutable_data()->mutable_data()));
+      req.mutable_hidden_states()->mutable_data()->clear_data();
+      call->raw_request = EncodeRawFrame(
+          req, grpc::Slice(payload->data(), payload->size(), &DeleteString, payload));
+    }
     call->ctx.set_deadline(absl::ToChronoTime(deadline));
     calls.push_back(std::move(call));
   }
   absl::BlockingCounter pending(static_cast<int>(calls.size()));
   for (auto& call : calls) {
-    ShardStub(map.shards(call->rank).address())
-        ->async()
-        ->Forward(&call->ctx, &call->request, &call->response,
-                  [&pending, c = call.get()](grpc::Status s) {
-                    c->status = std::move(s);
-                    pending.DecrementCount();
-                  });
+    ShardStubs* stubs = ShardStub(map.shards(call->rank).address());
+    auto done = [&pending, c = call.get()](grpc::Status s) {
+      c->status = std::move(s);
+      pending.DecrementCount();
+    };
+    if (options.raw_transport) {
+      stubs->raw->UnaryCall(&call->ctx, kForwardRawMethod, grpc::StubOptions(), &call->raw_request,
+                            &call->raw_response, std::move(done));
+    } else {
+      stubs->stub->async()->Forward(&call->ctx, &call->request, &call->response, std::move(done));
+    }
   }
   pending.Wait();
   ForwardResult result;
@@ -162,6 +181,20 @@ absl::StatusOr<ForwardResult> MoeClient::ForwardOnce(
       return absl::Status(s.code(),
                           absl::StrCat("shard ", call->rank, " (", map.shards(call->rank).address(),
                                        "): ", s.message()));
+    }
+    if (options.raw_transport) {
+      RawPayload output;
+      if (absl::Status s = DecodeRawFrame(call->raw_response, &call->response, &output); !s.ok()) {
+        return absl::InternalError(absl::StrCat("shard ", call->rank, " (",
+                                                map.shards(call->rank).address(),
+                                                "): bad ForwardRaw response: ", s.message()));
+      }
+      if (absl::Status s = Accumulate(call->response.output(), call->tokens, h,
+                                      result.output.data<float>(), output.Contiguous());
+          !s.ok()) {
+        return s;
+      }
+      continue;
     }
     if (absl::Status s =
             Accumulate(call->response.output(), call->tokens, h, result.output.data<float>());
