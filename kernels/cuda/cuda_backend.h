@@ -23,8 +23,11 @@ struct CudaBackendOptions {
   bool poison_scratch = false;
   // Host threads that repack weights in PrepareLayer; 0 = hardware concurrency.
   int upload_threads = 0;
-  // GEMM kernel variant (expert_kernels.h GemmLaunch::variant); tests cover both.
-  int gemm_variant = 0;
+  // GEMM kernel variant (expert_kernels.h GemmLaunch::variant); tests cover all. -1: chosen per
+  // batch (kAutoGemmVariant, ExpertRunner::set_gemm_variant).
+  int gemm_variant = -1;
+  // Direct routes for batches where no expert has two routes (ExpertRunner::set_direct_routes).
+  bool direct_routes = true;
 };
 
 // FAILED_PRECONDITION with the reason when the binary has no CUDA or no device is present.
