@@ -357,25 +357,36 @@ int Main() {
       runner.set_gemm_variant(0);
     }
     if (tokens <= absl::GetFlag(FLAGS_extras_max_tokens)) {
+      // variant0_grouped is the previous default (register ring, routes always grouped).
       const struct {
         const char* name;
         int variant;
         bool pdl;
-      } knobs[] = {{"variant1", 1, true},
-                   {"variant2", 2, true},
-                   {"variant3", 3, true},
-                   {"variant0_no_pdl", 0, false}};
+        bool direct;
+      } knobs[] = {{"variant0_grouped", 0, true, false},
+                   {"variant0_direct", 0, true, true},
+                   {"variant4_grouped", 4, true, false},
+                   {"variant1", 1, true, true},
+                   {"variant2", 2, true, true},
+                   {"variant3", 3, true, true},
+                   {"variant5", 5, true, true},
+                   {"variant6", 6, true, true},
+                   {"variant7", 7, true, true},
+                   {"variant4", 4, true, true},
+                   {"auto_no_pdl", cuda::kAutoGemmVariant, false, true}};
       for (const auto& k : knobs) {
         if (!k.pdl && tokens > 64) continue;
         runner.set_gemm_variant(k.variant);
         runner.set_programmatic_launch(k.pdl);
+        runner.set_direct_routes(k.direct);
         const Stats st = Summarize(TimeGraph(layer, runner, sets, false, reps, stream));
         std::printf("      %-16s median %8.1f us (p10 %8.1f p90 %8.1f)\n", k.name, st.median,
                     st.p10, st.p90);
         extras.push_back({{"name", k.name}, {"device_graph", ToJson(st)}});
       }
-      runner.set_gemm_variant(0);
+      runner.set_gemm_variant(cuda::kAutoGemmVariant);
       runner.set_programmatic_launch(true);
+      runner.set_direct_routes(true);
       // Smaller token tiles than the plan's choice: more items, each expert's weights re-read
       // (from L2 when the items run together), the few-token kernels instead of the tiled one.
       for (int groups : {2, 4}) {
@@ -460,7 +471,9 @@ int Main() {
       {"timing",
        "CUDA graph of `rotations` passes with different routes, per-pass time = replay / "
        "rotations; median over replays; device-resident inputs unless with_host_copies; "
-       "default: GEMM variant 0, programmatic dependent launch on; stage split from plain "
+       "default: GEMM variant chosen per batch (kAutoGemmVariant: 6 with direct routes where no "
+       "expert has two routes, else 7 up to 16-token items; tiled 0 from 32-token items), "
+       "programmatic dependent launch on; stage split from plain "
        "launches with events between the kernels"},
       {"points", points}};
   const std::string path = absl::GetFlag(FLAGS_out_json);

@@ -65,6 +65,7 @@ class CudaExpertBackend final : public ExpertBackend {
     runner_.set_poison_scratch(options.poison_scratch);
     runner_.set_gemm_variant(options.gemm_variant);
     if (options.wgmma_min_tokens >= 0) runner_.set_wgmma_min_tokens(options.wgmma_min_tokens);
+    runner_.set_direct_routes(options.direct_routes);
     if (options_.upload_threads <= 0) {
       options_.upload_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     }
@@ -230,7 +231,7 @@ absl::StatusOr<std::unique_ptr<ExpertBackend>> MakeCudaExpertBackend(
   std::string why;
   const int count = cuda::DeviceCount(&why);
   if (count == 0) return absl::FailedPreconditionError(absl::StrCat("--backend=cuda: ", why));
-  if (options.gemm_variant < 0 || options.gemm_variant > cuda::kMaxGemmVariant) {
+  if (options.gemm_variant < -1 || options.gemm_variant > cuda::kMaxGemmVariant) {
     return absl::InvalidArgumentError(absl::StrCat("cuda backend: gemm_variant ",
                                                    options.gemm_variant, " is not in 0..",
                                                    cuda::kMaxGemmVariant));

@@ -23,8 +23,11 @@ struct CudaBackendOptions {
   bool poison_scratch = false;
   // Host threads that repack weights in PrepareLayer; 0 = hardware concurrency.
   int upload_threads = 0;
-  // GEMM kernel variant (expert_kernels.h GemmLaunch::variant); tests cover both.
-  int gemm_variant = 0;
+  // GEMM kernel variant (expert_kernels.h GemmLaunch::variant); tests cover all. -1: chosen per
+  // batch (kAutoGemmVariant, ExpertRunner::set_gemm_variant).
+  int gemm_variant = -1;
+  // Direct routes for batches where no expert has two routes (ExpertRunner::set_direct_routes).
+  bool direct_routes = true;
   // The wgmma kernel runs both GEMMs when the busiest expert slot of a batch has at least this
   // many tokens (ExpertRunner::set_wgmma_min_tokens); 0 never, -1 the runner's default.
   int wgmma_min_tokens = -1;

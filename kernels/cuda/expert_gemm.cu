@@ -29,21 +29,48 @@ using namespace detail;  // NOLINT: the shared device stages
 // many bytes in flight, a fine-grained tail). Their B fragments come through L1 one chunk
 // ahead; kWarmL1 first prefetches all of a warp's B lines into L1 (measured 1-2% slower, kept as
 // a variant). Variant 0: RT 1 (the measured best), 1: RT 1 + L1 warm-up, 2: RT 2 + warm-up.
+// Variant 4 (G <= 2): RT 1, the weights staged through a shared-memory ring per warp
+// (WarpMainloopRing) instead of the register ring; variant 5: the same with RT 2, KS 2;
+// variant 6: as 4 with a deeper ring (fewer CTAs per SM, more chunks in flight per warp);
+// variant 7: RT 4, KS 1 (each warp streams a whole tile; no K-split reduction).
 // More tokens (G >= 4, variant 3 there): each warp covers two row tiles so every B fragment
 // feeds two MMAs.
 template <int G, int V>
 struct GemmConfig {
   static constexpr int kRw = G <= 2 ? 1 : 2;
-  static constexpr int kRt = G <= 2 ? (V == 2 ? 2 : 1) : 2;
-  static constexpr int kKs = G <= 2 ? 4 : 2;
+  static constexpr int kRt = G <= 2 ? (V == 2 || V == 5 ? 2 : V == 7 ? 4 : 1) : 2;
+  static constexpr int kKs = G <= 2 ? (V == 5 ? 2 : V == 7 ? 1 : 4) : 2;
   static constexpr int kPrefetch = G <= 2 ? 4 : 2;
   static constexpr bool kPrefetchB = G <= 2;
-  static constexpr bool kWarmL1 = G <= 2 && V != 0;
+  static constexpr bool kWarmL1 = G <= 2 && (V == 1 || V == 2);
+  static constexpr bool kSmemRing = G <= 2 && V >= 4;
 };
+
+// Chunks per warp in the shared-memory ring of variants 4..7: 512 bytes of codes (each lane
+// copies and reads its own 16) plus the 8 scale words of the chunk (MXFP4 32 bytes, NVFP4 128;
+// copied by the lanes with t == 0, read by all four lanes of a row pair g).
+template <class Fmt, int V>
+constexpr int RingDepth() {
+  return V == 6 ? 12 : 8;
+}
 
 template <int G, int V>
 constexpr int CtaThreads() {
   return GemmConfig<G, V>::kRt * GemmConfig<G, V>::kKs * kWarpLanes;
+}
+// Launch bounds. Variants 0..3 keep ptxas's own register choice (ExpertGemmKernel, maximum
+// threads only): an explicit minimum of 1 CTA per SM lets it take up to 50% more registers (MXFP4
+// G=1 95 instead of 64), measured 10-20% slower. The ring variants run as ExpertGemmKernelCapped
+// (maximum threads and a minimum of CTAs per SM, as measured): one token group MXFP4 8 CTAs
+// (<= 64 registers), NVFP4 7 (<= 72; at 64 it spills); two token groups 1 (83-93 registers;
+// at a cap of 80 several spill).
+template <class Fmt, int G, int V>
+constexpr bool Capped() {
+  return GemmConfig<G, V>::kSmemRing;
+}
+template <class Fmt, int G, int V>
+constexpr int MinCtasPerSm() {
+  return G != 1 ? 1 : sizeof(typename Fmt::Scale) == 4 ? 8 : 7;
 }
 template <int G, int V>
 constexpr int CtaRowsOf() {
@@ -109,6 +136,126 @@ __device__ __forceinline__ void WarpMainloop(
   }
 }
 
+// Main loop of the ring variants (values, scales: this lane's pointers at chunk 0, as
+// WeightStream): the warp's next D - 1 chunks of weights (codes and scale words) are in flight as
+// cp.async copies into its shared-memory ring (no registers held for them), one commit group per
+// chunk; chunk i is read back after wait_group(D - 1) and a __syncwarp, and step i refills the
+// slot read at step i - 1 (after a __syncwarp) with chunk i + D - 1. B fragments: the ping-pong
+// pair, as kPrefetchB.
+template <class Fmt, int G, int V>
+__device__ __forceinline__ void WarpMainloopRing(const uint4* values,
+                                                 const typename Fmt::Scale* scales, int chunks,
+                                                 int ks, const uint4* const (&b_rows)[G],
+                                                 bool wait_after_prefetch, uint4* ring_v,
+                                                 typename Fmt::Scale* ring_s,
+                                                 float (&acc)[1][G][4]) {
+  using Cfg = GemmConfig<G, V>;
+  using Scale = typename Fmt::Scale;
+  constexpr int KS = Cfg::kKs, D = RingDepth<Fmt, V>();
+  static_assert(D % 2 == 0, "the B ping-pong needs an even ring");
+  const int lane = threadIdx.x & 31;
+  const int n = chunks > ks ? (chunks - ks + KS - 1) / KS : 0;
+  const int g = lane >> 2;
+  const bool copies_scale = (lane & 3) == 0;
+  const uint32_t sv = static_cast<uint32_t>(__cvta_generic_to_shared(ring_v + lane));
+  const uint32_t ss = static_cast<uint32_t>(__cvta_generic_to_shared(ring_s + g));
+  auto issue = [&](bool pred, int i, int slot) {
+    const int64_t chunk = ks + static_cast<int64_t>(i) * KS;
+    CopyAsync16If(pred, sv + slot * kWarpLanes * 16, values + chunk * kWarpLanes);
+    if constexpr (sizeof(Scale) == 4) {
+      CopyAsync4If(pred && copies_scale, ss + slot * 8 * 4, scales + chunk * 8);
+    } else {
+      CopyAsync16If(pred && copies_scale, ss + slot * 8 * 16, scales + chunk * 8);
+    }
+    CopyAsyncCommit();
+  };
+#pragma unroll
+  for (int d = 0; d < D - 1; ++d) issue(d < n, d, d);
+  if (wait_after_prefetch) {
+    WaitForPrerequisites();
+    AllowDependents();
+  }
+  uint4 b[2][G][2];
+#pragma unroll
+  for (int q = 0; q < G; ++q) {
+    b[0][q][0] = b[0][q][1] = b[1][q][0] = b[1][q][1] = make_uint4(0u, 0u, 0u, 0u);
+    LoadBIf(n > 0, b_rows[q], ks, b[0][q]);
+  }
+  for (int i0 = 0; i0 < n; i0 += D) {
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      const int i = i0 + d;
+      if (i >= n) break;
+      __syncwarp();  // every lane has read the slot refilled below (scale words are shared)
+      issue(i + D - 1 < n, i + D - 1, (d + D - 1) % D);
+      CopyAsyncWait<D - 1>();
+      __syncwarp();  // the scale words copied by lanes t == 0 are visible to the others
+      uint4 v[1];
+      Scale s[1];
+      v[0] = ring_v[d * kWarpLanes + lane];
+      s[0] = ring_s[d * 8 + g];
+      const int chunk = ks + i * KS;
+#pragma unroll
+      for (int q = 0; q < G; ++q) LoadBIf(i + 1 < n, b_rows[q], chunk + KS, b[(d + 1) & 1][q]);
+      MultiplyChunkLoaded<Fmt, 1, G>(v, s, b[d & 1], acc);
+    }
+  }
+}
+
+// Direct routes (ExpertGemmParams::direct_ids): expert slot of item i, or -1.
+__device__ __forceinline__ int DirectExpert(const ExpertGemmParams& p, int i) {
+  const int routes = p.direct_tokens * p.direct_top_k;
+  if (i < routes) return p.direct_ids[i];
+  const int r = i - routes, s = r / p.direct_tokens, t = r - s * p.direct_tokens;
+  return p.direct_mask != nullptr && p.direct_mask[t] != 0 ? p.direct_experts + s : -1;
+}
+// Token of direct item (= slot) i.
+__device__ __forceinline__ int DirectToken(const ExpertGemmParams& p, int i) {
+  const int routes = p.direct_tokens * p.direct_top_k;
+  return i < routes ? i / p.direct_top_k : (i - routes) % p.direct_tokens;
+}
+
+// Folded combine (ExpertGemmParams::fold_counters), run by the warp that wrote this CTA's y rows
+// (one 16-row tile: h = row_block * 16 + 0..15) after EpilogueY.
+__device__ __forceinline__ void FoldCombine(const ExpertGemmParams& p, const ExpertItem& item,
+                                            int row_block, int row_blocks, int lane) {
+  const int T = p.direct_tokens, K = p.direct_top_k, routes = T * K;
+  const int token = DirectToken(p, item.slot_begin);
+  const bool marked = p.direct_mask != nullptr && p.direct_mask[token] != 0;
+  int participants = marked ? p.direct_shared : 0;
+  for (int k = 0; k < K; ++k) participants += p.direct_ids[token * K + k] >= 0 ? 1 : 0;
+  __threadfence();  // this lane's y stores, before the count
+  __syncwarp();
+  int last = 0;
+  int32_t* counter = p.fold_counters + static_cast<int64_t>(token) * row_blocks + row_block;
+  if (lane == 0) last = atomicAdd(counter, 1) == participants - 1 ? 1 : 0;
+  last = __shfl_sync(0xffffffffu, last, 0);
+  if (last == 0) return;
+  __threadfence();  // the other routes' y stores, before the reads below
+  if (lane == 0) *counter = 0;
+  const int H = p.out_valid;
+  const int h = row_block * kFoldRowsPerBlock + lane;
+  if (lane >= kFoldRowsPerBlock || h >= H) return;
+  float acc = 0.f;
+  for (int k = 0; k < K; ++k) {
+    const int route = token * K + k;
+    if (p.direct_ids[route] < 0) continue;
+    acc += p.fold_weights[route] * __ldcg(p.y_out + static_cast<int64_t>(route) * H + h);
+  }
+  if (marked) {
+    for (int s = 0; s < p.direct_shared; ++s) {
+      const int64_t row = routes + static_cast<int64_t>(s) * T + token;
+      acc += 1.f * __ldcg(p.y_out + row * H + h);
+    }
+  }
+  const int64_t at = static_cast<int64_t>(token) * H + h;
+  if (p.fold_out_bf16) {
+    static_cast<uint16_t*>(p.fold_out)[at] = __bfloat16_as_ushort(__float2bfloat16_rn(acc));
+  } else {
+    static_cast<float*>(p.fold_out)[at] = acc;
+  }
+}
+
 // ---- Stage 4: add the K-split partial sums in warp order ks = 0, 1, ... (warp ks = 0 keeps them).
 template <int G, int V>
 __device__ __forceinline__ void ReduceAcrossWarps(float* red, int ks, int wr, int lane,
@@ -147,22 +294,33 @@ __device__ __forceinline__ void ReduceAcrossWarps(float* red, int ks, int wr, in
 // too, so token tiles that re-read an expert's weights find them in L2). Under programmatic
 // launch GEMM1 waits for the prologue before reading the items; GEMM2 reads the items (the
 // prologue finished before GEMM1 could let it start), issues its first weight loads and only
-// then waits for GEMM1's activations, overlapping its start with GEMM1's last wave.
+// then waits for GEMM1's activations, overlapping its start with GEMM1's last wave. With direct
+// routes GEMM1 does the same as GEMM2 (the items come from the ids, an input).
 template <class Fmt, bool kGemm1, int G, int V>
-__global__ void __launch_bounds__(CtaThreads<G, V>()) ExpertGemmKernel(const ExpertGemmParams p,
-                                                                       int row_blocks) {
+__device__ __forceinline__ void GemmBody(const ExpertGemmParams& p, int row_blocks) {
   using Cfg = GemmConfig<G, V>;
   constexpr int RW = Cfg::kRw, RT = Cfg::kRt, KS = Cfg::kKs;
   __shared__ float red[KS > 1 ? (KS - 1) * RT * RW * G * 4 * kWarpLanes : 1];
+  constexpr int kRingChunks = Cfg::kSmemRing ? RT * KS * RingDepth<Fmt, V>() : 1;
+  __shared__ uint4 ring_v[kRingChunks * kWarpLanes];
+  __shared__ typename Fmt::Scale ring_s[kRingChunks * 8];
 
+  const bool direct = p.direct_ids != nullptr;
   if constexpr (kGemm1) {
-    WaitForPrerequisites();
+    if (!direct) WaitForPrerequisites();
     AllowDependents();
   }
   const int item_index = static_cast<int>(blockIdx.x / row_blocks);
   const int row_block = static_cast<int>(blockIdx.x % row_blocks);
-  if (item_index >= *p.num_items) return;  // whole CTA: no barrier is skipped by part of it
-  const ExpertItem item = p.items[item_index];
+  ExpertItem item;
+  if (direct) {
+    const int expert = DirectExpert(p, item_index);
+    if (expert < 0) return;  // whole CTA
+    item = ExpertItem{expert, item_index, 1, 0};
+  } else {
+    if (item_index >= *p.num_items) return;  // whole CTA: no barrier is skipped by part of it
+    item = p.items[item_index];
+  }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int ks = warp % KS, wr = warp / KS;
   const int g = lane >> 2, t = lane & 3;
@@ -186,7 +344,8 @@ __global__ void __launch_bounds__(CtaThreads<G, V>()) ExpertGemmKernel(const Exp
     b_rows[q] = nullptr;
     if (col < item.count) {
       const int slot = item.slot_begin + col;
-      const int row = p.b_row_of_slot != nullptr ? p.b_row_of_slot[slot] : slot;
+      const int row = direct ? (kGemm1 ? DirectToken(p, slot) : slot)
+                             : (p.b_row_of_slot != nullptr ? p.b_row_of_slot[slot] : slot);
       b_rows[q] = reinterpret_cast<const uint4*>(p.b_rows) + row * b_row_vectors + 2 * t;
     }
   }
@@ -199,18 +358,51 @@ __global__ void __launch_bounds__(CtaThreads<G, V>()) ExpertGemmKernel(const Exp
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[r][q][e] = 0.f;
 
-  WarpMainloop<Fmt, G, V>(stream, p.chunks, ks, b_rows, /*wait_after_prefetch=*/!kGemm1, acc);
+  const bool wait_after_prefetch = !kGemm1 || direct;
+  if constexpr (Cfg::kSmemRing) {
+    static_assert(RW == 1, "the ring main loop streams one tile per warp");
+    constexpr int kWarpChunks = RingDepth<Fmt, V>();
+    WarpMainloopRing<Fmt, G, V>(stream.values[0], stream.scales[0], p.chunks, ks,
+                                b_rows, wait_after_prefetch,
+                                ring_v + warp * kWarpChunks * kWarpLanes,
+                                ring_s + warp * kWarpChunks * 8, acc);
+  } else {
+    WarpMainloop<Fmt, G, V>(stream, p.chunks, ks, b_rows, wait_after_prefetch, acc);
+  }
   ReduceAcrossWarps<G, V>(red, ks, wr, lane, acc);
   if (ks != 0) return;
   if constexpr (kGemm1) {
     EpilogueAct<RW, G>(p, item, tile0, lane, acc);
   } else {
     EpilogueY<RW, G>(p, item, tile0, lane, acc);
+    if constexpr (RW == 1 && RT == 1) {
+      if (p.fold_counters != nullptr) FoldCombine(p, item, row_block, row_blocks, lane);
+    }
   }
 }
 
-// ---- Runtime -> template dispatch: [format][gemm1][token groups 1, 2, 4, 8][variant 0, 1].
+template <class Fmt, bool kGemm1, int G, int V>
+__global__ void __launch_bounds__(CtaThreads<G, V>())
+    ExpertGemmKernel(const ExpertGemmParams p, int row_blocks) {
+  GemmBody<Fmt, kGemm1, G, V>(p, row_blocks);
+}
+template <class Fmt, bool kGemm1, int G, int V>
+__global__ void __launch_bounds__(CtaThreads<G, V>(), MinCtasPerSm<Fmt, G, V>())
+    ExpertGemmKernelCapped(const ExpertGemmParams p, int row_blocks) {
+  GemmBody<Fmt, kGemm1, G, V>(p, row_blocks);
+}
+
+// ---- Runtime -> template dispatch: [format][gemm1][token groups 1, 2, 4, 8][variant 0..7].
 using GemmKernel = void (*)(ExpertGemmParams, int);
+
+template <class Fmt, bool kGemm1, int G, int V>
+constexpr GemmKernel KernelOf() {
+  if constexpr (Capped<Fmt, G, V>()) {
+    return &ExpertGemmKernelCapped<Fmt, kGemm1, G, V>;
+  } else {
+    return &ExpertGemmKernel<Fmt, kGemm1, G, V>;
+  }
+}
 
 struct GemmEntry {
   GemmKernel mxfp4_gemm1, mxfp4_gemm2, nvfp4_gemm1, nvfp4_gemm2;
@@ -220,17 +412,38 @@ struct GemmEntry {
 
 template <int G, int V>
 constexpr GemmEntry Entry() {
-  return GemmEntry{&ExpertGemmKernel<Mxfp4, true, G, V>, &ExpertGemmKernel<Mxfp4, false, G, V>,
-                   &ExpertGemmKernel<Nvfp4, true, G, V>, &ExpertGemmKernel<Nvfp4, false, G, V>,
+  return GemmEntry{KernelOf<Mxfp4, true, G, V>(), KernelOf<Mxfp4, false, G, V>(),
+                   KernelOf<Nvfp4, true, G, V>(), KernelOf<Nvfp4, false, G, V>(),
                    CtaThreads<G, V>(), CtaRowsOf<G, V>()};
 }
 
-// Variants of this kernel: token groups <= 2: 0, 1, 2 (variant 3 is the tiled kernel); token
-// groups >= 4: variant 3 (0, 1, 2 are tiled configurations).
-const GemmEntry kGemmTable[4][3] = {{Entry<1, 0>(), Entry<1, 1>(), Entry<1, 2>()},
-                                    {Entry<2, 0>(), Entry<2, 1>(), Entry<2, 2>()},
-                                    {Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>()},
-                                    {Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>()}};
+// Variants of this kernel: token groups <= 2: 0, 1, 2, 4 (variant 3 is the tiled kernel, its
+// column here unused); token groups >= 4: variant 3, in column 0 (0, 1, 2, 4 are tiled).
+const GemmEntry kGemmTable[4][8] = {
+    {Entry<1, 0>(), Entry<1, 1>(), Entry<1, 2>(), Entry<1, 0>(), Entry<1, 4>(), Entry<1, 5>(),
+     Entry<1, 6>(), Entry<1, 7>()},
+    {Entry<2, 0>(), Entry<2, 1>(), Entry<2, 2>(), Entry<2, 0>(), Entry<2, 4>(), Entry<2, 5>(),
+     Entry<2, 6>(), Entry<2, 7>()},
+    {Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(),
+     Entry<4, 0>(), Entry<4, 0>()},
+    {Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(),
+     Entry<8, 0>(), Entry<8, 0>()}};
+
+// The ring kernels want the largest shared-memory carveout (their occupancy is bounded by shared
+// memory); set once, before their first launch.
+cudaError_t SetRingCarveouts() {
+  for (int gi = 0; gi < 2; ++gi) {
+    for (int v : {4, 5, 6, 7}) {
+      const GemmEntry& e = kGemmTable[gi][v];
+      for (GemmKernel k : {e.mxfp4_gemm1, e.mxfp4_gemm2, e.nvfp4_gemm1, e.nvfp4_gemm2}) {
+        const cudaError_t err = cudaFuncSetAttribute(
+            k, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+        if (err != cudaSuccess) return err;
+      }
+    }
+  }
+  return cudaSuccess;
+}
 
 int GroupsIndex(int token_groups) {
   switch (token_groups) {
@@ -260,8 +473,24 @@ cudaError_t LaunchExpertGemm(const ExpertGemmParams& p, const GemmLaunch& launch
     return cudaErrorInvalidValue;
   }
   if (launch.num_items == 0) return cudaSuccess;
-  const bool tiled = launch.token_groups >= 4 ? launch.variant != 3 : launch.variant == 3;
-  if (tiled) return LaunchTiledGemm(p, launch, stream);
+  if (!GemmUsesStreamingKernel(launch.token_groups, launch.variant)) {
+    if (p.direct_ids != nullptr) return cudaErrorInvalidValue;
+    if (launch.variant >= 4) {
+      GemmLaunch tiled = launch;
+      tiled.variant = 0;
+      return LaunchTiledGemm(p, tiled, stream);
+    }
+    return LaunchTiledGemm(p, launch, stream);
+  }
+  if (p.fold_counters != nullptr &&
+      (p.direct_ids == nullptr || launch.gemm1 ||
+       !GemmCanFoldCombine(launch.token_groups, launch.variant))) {
+    return cudaErrorInvalidValue;
+  }
+  if (launch.variant >= 4) {
+    static const cudaError_t carveout = SetRingCarveouts();
+    if (carveout != cudaSuccess) return carveout;
+  }
   const GemmEntry& e = kGemmTable[index][launch.token_groups >= 4 ? 0 : launch.variant];
   // GEMM1 rows: gate+up pairs of every act column (I padded to 64); GEMM2 rows: H.
   const int64_t rows = launch.gemm1 ? 2 * static_cast<int64_t>(p.out_cols) : p.out_valid;

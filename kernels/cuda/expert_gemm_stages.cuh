@@ -63,6 +63,30 @@ __device__ __forceinline__ void LoadIf(bool pred, const uint32_t* p, uint32_t& r
       : "l"(p), "r"(static_cast<int>(pred)));
 }
 
+// Asynchronous copies global -> shared (cp.async, sm_80+), skipped when `pred` is false. Each
+// thread later reads back only what it copied itself, so wait_group alone orders the reads.
+__device__ __forceinline__ void CopyAsync16If(bool pred, uint32_t smem, const void* p) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n"
+      " @p cp.async.cg.shared.global [%0], [%1], 16;\n}" ::"r"(smem),
+      "l"(p), "r"(static_cast<int>(pred))
+      : "memory");
+}
+__device__ __forceinline__ void CopyAsync4If(bool pred, uint32_t smem, const void* p) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n"
+      " @p cp.async.ca.shared.global [%0], [%1], 4;\n}" ::"r"(smem),
+      "l"(p), "r"(static_cast<int>(pred))
+      : "memory");
+}
+__device__ __forceinline__ void CopyAsyncCommit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void CopyAsyncWait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 __device__ __forceinline__ void PrefetchL1(const void* p) {
   asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
 }
@@ -251,7 +275,10 @@ __device__ __forceinline__ void EpilogueY(const ExpertGemmParams& p, const Exper
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int col = q * kTileTokens + 2 * t + e;
-      route[q][e] = col < item.count ? p.slot_route[item.slot_begin + col] : -1;
+      const int slot = item.slot_begin + col;
+      route[q][e] = col >= item.count         ? -1
+                    : p.direct_ids != nullptr ? slot
+                                              : p.slot_route[slot];
     }
 #pragma unroll
   for (int r = 0; r < RW; ++r) {

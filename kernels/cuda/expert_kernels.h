@@ -56,6 +56,14 @@ struct ExpertPrologueParams {
   // Stage the rows in natural K order instead of the per-chunk permutation (ActPermIndex): the
   // wgmma kernel (token groups 16) reads B from shared memory in natural order.
   bool natural_order = false;
+  // False: only stage the hidden states (the GEMMs take routes directly, ExpertGemmParams
+  // direct_ids), no grouping block; slot_token, slot_route, items and num_items are not written.
+  bool group_routes = true;
+  // When GEMM2 folds the combine (ExpertGemmParams::fold_counters), the output rows of tokens
+  // with no route at all (every id -1, no marked shared expert) are written here as zeros (no
+  // GEMM2 CTA counts for them). Null otherwise.
+  void* zero_unrouted_out = nullptr;  // [T, H] F32, or BF16 when zero_unrouted_bf16
+  bool zero_unrouted_bf16 = false;
   // Outputs.
   uint16_t* x_staged = nullptr;    // [T, hidden_chunks * 64] bf16, permuted per chunk, zero-padded
   int32_t* slot_token = nullptr;   // [routes] token of each grouped slot
@@ -92,6 +100,29 @@ struct ExpertGemmParams {
   uint16_t* act_out = nullptr;    // GEMM1: [slots][out_cols] bf16, permuted
   float* y_out = nullptr;         // GEMM2: [route rows][H]
   const int32_t* slot_route = nullptr;  // GEMM2: y row of each slot
+  // Direct routes (no grouping; for batches where no expert slot has more than one route): when
+  // direct_ids is set, item i is route i of the y rows (t*K+k, then T*K + s*T + t for shared
+  // expert s), one token, slot = y row = i, expert ids[i] (or E + s where mask[t] is set; items
+  // whose expert is -1 or unmarked do nothing). items, num_items, b_row_of_slot and slot_route
+  // are then unused: GEMM1's B row is the route's token, GEMM2's is the slot. GEMM1 reads only
+  // ids before its programmatic wait, so it issues its first weight loads while the prologue
+  // still stages the activations. Only the streaming kernel (GemmUsesStreamingKernel) has it.
+  const int32_t* direct_ids = nullptr;      // [T, K] slot or -1
+  const uint8_t* direct_mask = nullptr;     // [T] shared-expert mask or null
+  int32_t direct_tokens = 0;                // T
+  int32_t direct_top_k = 0;                 // K
+  int32_t direct_experts = 0;               // routed slots E (shared slot s is E + s)
+  int32_t direct_shared = 0;                // shared slots S that run (0 without a mask)
+  // GEMM2 with direct routes only (GemmCanFoldCombine): the combine folded in. Each CTA, after
+  // writing its y rows, counts itself in fold_counters[token * row_blocks + row_block]; the last
+  // of the token's routes (routed ids >= 0, then marked shared experts) adds the y rows of that
+  // row block in the combine's order (expert_combine.cu: k order, then shared experts with weight
+  // 1, fp32) into out and resets the counter to 0. Deterministic: the order never depends on
+  // which CTA is last. fold_counters must be zero before the launch.
+  int32_t* fold_counters = nullptr;         // [T * row_blocks], zero
+  const float* fold_weights = nullptr;      // [T, K]
+  void* fold_out = nullptr;                 // [T, H] F32, or BF16 when fold_out_bf16
+  bool fold_out_bf16 = false;
 };
 
 struct ExpertCombineParams {
@@ -111,7 +142,10 @@ struct ExpertCombineParams {
 // GEMM1 (launched programmatically) start launching at once; GEMM1 waits for its completion.
 cudaError_t LaunchExpertPrologue(const ExpertPrologueParams& p, cudaStream_t stream);
 
-inline constexpr int kMaxGemmVariant = 3;
+inline constexpr int kMaxGemmVariant = 7;
+// ExpertRunner / CUDA backend setting (not a GemmLaunch value): pick the variant per batch from
+// the format and the routes (ExpertRunner::set_gemm_variant; the measured best, NOTES-cuda.md).
+inline constexpr int kAutoGemmVariant = -1;
 // GemmLaunch::token_groups of the wgmma kernel (items of up to 128 tokens).
 inline constexpr int kWgmmaTokenGroups = 16;
 
@@ -124,9 +158,14 @@ struct GemmLaunch {
   // Tuning, 0..kMaxGemmVariant. token_groups <= 2: 0, 1, 2 = the weight-streaming kernel
   // (expert_gemm.cu: 1 row warp, 1 row warp + L1 warm-up of B, 2 row warps + warm-up),
   // 3 = the tiled kernel. token_groups >= 4: 0, 1, 2 = tiled configurations
-  // (expert_gemm_tiled.cu), 3 = the streaming kernel. token_groups 16 (wgmma): 0 = 4 warpgroups
-  // x 1 m64 block with a shared-memory weight ring (also 3), 1 = 2 x 2 with the register ring,
-  // 2 = 4 x 1 with the register ring. 0 is the measured best (NOTES-cuda.md; wgmma 0 and 2 tie).
+  // (expert_gemm_tiled.cu), 3 = the streaming kernel. 4: token_groups <= 2: the streaming kernel
+  // with the weights staged through a per-warp shared-memory ring filled by cp.async (more bytes
+  // in flight than the register ring of 0..2); token_groups >= 4: as 0. 5: as 4 with two row
+  // warps and a 2-way K split (longer streams per warp); 6: as 4 with a deeper ring (12 chunks
+  // per warp against 8); 7: four row warps, no K split (each warp streams a whole tile);
+  // token_groups >= 4: 4..7 as 0. token_groups 16 (wgmma): 0 = 4 warpgroups x 1 m64 block with
+  // a shared-memory weight ring (also 3..7), 1 = 2 x 2 with the register ring, 2 = 4 x 1 with
+  // the register ring. 0 is the measured best (NOTES-cuda.md; wgmma 0 and 2 tie).
   int variant = 0;
   int num_items = 0;     // the host's count (the device writes the same to *p.num_items)
   // Programmatic dependent launch: the kernel may start before its predecessor in the stream
@@ -139,6 +178,18 @@ struct GemmLaunch {
 // rows are 2 * I padded to 64 (every act column is written, zeros past I) and GEMM2 rows are H.
 cudaError_t LaunchExpertGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
                              cudaStream_t stream);
+
+// Whether (token_groups, variant) runs the weight-streaming kernel (expert_gemm.cu), the only one
+// that takes direct routes.
+inline bool GemmUsesStreamingKernel(int token_groups, int variant) {
+  return token_groups >= 4 ? variant == 3 : variant != 3;
+}
+// Whether (token_groups, variant) can fold the combine into GEMM2 (direct routes, CTAs of one
+// 16-row tile): GEMM2's row blocks are then ceil(H / 16).
+inline bool GemmCanFoldCombine(int token_groups, int variant) {
+  return token_groups <= 2 && (variant == 0 || variant == 1 || variant == 4 || variant == 6);
+}
+inline constexpr int kFoldRowsPerBlock = 16;
 
 // programmatic: as GemmLaunch (the predecessor is GEMM2).
 cudaError_t LaunchExpertCombine(const ExpertCombineParams& p, bool programmatic,

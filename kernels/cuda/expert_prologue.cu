@@ -165,11 +165,33 @@ __device__ void StageHidden(const ExpertPrologueParams& p, int block, int blocks
   }
 }
 
+// Zeros the output rows of tokens without routes (ExpertPrologueParams::zero_unrouted_out).
+__device__ void ZeroUnroutedRows(const ExpertPrologueParams& p, int block, int blocks) {
+  for (int t = block; t < p.tokens; t += blocks) {
+    bool routed = p.num_shared > 0 && p.shared_mask != nullptr && p.shared_mask[t] != 0;
+    for (int k = 0; k < p.top_k && !routed; ++k) routed = p.ids[t * p.top_k + k] >= 0;
+    if (routed) continue;
+    const int64_t row = static_cast<int64_t>(t) * p.hidden_size;
+    for (int h = threadIdx.x; h < p.hidden_size; h += kThreads) {
+      if (p.zero_unrouted_bf16) {
+        static_cast<uint16_t*>(p.zero_unrouted_out)[row + h] = 0;
+      } else {
+        static_cast<float*>(p.zero_unrouted_out)[row + h] = 0.f;
+      }
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) ExpertPrologueKernel(const ExpertPrologueParams p) {
   // GEMM1 may start launching now (it hides its launch latency behind this kernel); it reads
   // nothing of ours before its griddepcontrol.wait, which waits for this grid to complete.
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  if (blockIdx.x == 0) {
+  if (!p.group_routes) {
+    StageHidden(p, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
+    if (p.zero_unrouted_out != nullptr) {
+      ZeroUnroutedRows(p, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
+    }
+  } else if (blockIdx.x == 0) {
     GroupRoutes(p);
   } else {
     StageHidden(p, static_cast<int>(blockIdx.x) - 1, static_cast<int>(gridDim.x) - 1);
@@ -185,8 +207,11 @@ cudaError_t LaunchExpertPrologue(const ExpertPrologueParams& p, cudaStream_t str
       static_cast<int64_t>(p.hidden_chunks) * kActChunkVectors * static_cast<int64_t>(p.tokens);
   const int64_t staging_blocks =
       vectors == 0 ? 1 : std::min<int64_t>(kMaxStagingBlocks, (vectors + kThreads - 1) / kThreads);
-  const size_t smem = (3 * static_cast<size_t>(slots) + 1) * sizeof(int32_t) + kWarps * sizeof(int2);
-  ExpertPrologueKernel<<<static_cast<unsigned>(1 + staging_blocks), kThreads, smem, stream>>>(p);
+  const size_t smem = p.group_routes ? (3 * static_cast<size_t>(slots) + 1) * sizeof(int32_t) +
+                                           kWarps * sizeof(int2)
+                                     : 0;
+  const int64_t blocks = (p.group_routes ? 1 : 0) + staging_blocks;
+  ExpertPrologueKernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -217,11 +217,26 @@ absl::Status ExpertRunner::Reserve(const DeviceExpertLayer& layer, const RoutePl
       {slot_route_, routes * 4},
       {items_, static_cast<size_t>(std::max<int64_t>(plan.num_items, 1)) * sizeof(ExpertItem)},
       {num_items_, 4},
-      {act_, routes * static_cast<size_t>(layer.inter_padded) * 2},
+      // Direct routes use one act row per y row.
+      {act_, std::max<size_t>(routes, static_cast<size_t>(std::max<int64_t>(plan.y_rows, 1))) *
+                 static_cast<size_t>(layer.inter_padded) * 2},
       {y_, static_cast<size_t>(std::max<int64_t>(plan.y_rows, 1) * layer.hidden) * 4},
   };
   for (const auto& w : wants) {
     if (absl::Status s = w.buf.Reserve(w.bytes); !s.ok()) return s;
+  }
+  const size_t counters =
+      static_cast<size_t>(plan.tokens) *
+      static_cast<size_t>((layer.hidden + kFoldRowsPerBlock - 1) / kFoldRowsPerBlock) * 4;
+  if (fold_counters_.size() < counters || fold_counters_.get() == nullptr) {
+    if (absl::Status s = fold_counters_.Reserve(counters); !s.ok()) return s;
+    if (absl::Status s = CudaStatus(cudaMemset(fold_counters_.get(), 0, fold_counters_.size()),
+                                    "fold counters");
+        !s.ok()) {
+      return s;
+    }
+    // cudaMemset runs on the legacy stream; the runner's stream may not wait for it.
+    if (absl::Status s = CudaStatus(cudaDeviceSynchronize(), "fold counters"); !s.ok()) return s;
   }
   return absl::OkStatus();
 }
@@ -288,7 +303,19 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
     }
   }
   if (absl::Status s = Mark(0, stream); !s.ok()) return s;
+  const bool few = direct_ && plan.max_count <= 1 && plan.token_groups == 1;
+  int variant = variant_;
+  if (variant == kAutoGemmVariant) {
+    variant = plan.token_groups >= 4 ? 0 : few ? 6 : 7;
+  }
+  const bool direct = few && GemmUsesStreamingKernel(plan.token_groups, variant);
+  const bool fold = direct && fold_ && GemmCanFoldCombine(plan.token_groups, variant);
   ExpertPrologueParams pro = PrologueParams(layer, batch, plan);
+  pro.group_routes = !direct;
+  if (fold) {
+    pro.zero_unrouted_out = batch.out;
+    pro.zero_unrouted_bf16 = batch.out_bf16;
+  }
   pro.x_staged = x_staged_.as<uint16_t>();
   pro.slot_token = slot_token_.as<int32_t>();
   pro.slot_route = slot_route_.as<int32_t>();
@@ -304,11 +331,19 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   GemmLaunch launch;
   launch.format = layer.format;
   launch.token_groups = plan.token_groups;
-  launch.variant = variant_;
-  launch.num_items = static_cast<int>(plan.num_items);
+  launch.variant = variant;
+  launch.num_items = static_cast<int>(direct ? plan.y_rows : plan.num_items);
   // Stage events sit between the kernels, so the kernels cannot overlap while they are timed.
   launch.programmatic = programmatic_ && stage_events_ == nullptr;
   ExpertGemmParams g1 = GemmParams(layer.w13, layer, pro.items, pro.num_items);
+  if (direct) {
+    g1.direct_ids = batch.ids;
+    g1.direct_mask = pro.shared_mask;
+    g1.direct_tokens = pro.tokens;
+    g1.direct_top_k = pro.top_k;
+    g1.direct_experts = layer.num_experts;
+    g1.direct_shared = plan.num_shared;
+  }
   g1.b_rows = x_staged_.as<uint16_t>();
   g1.b_row_of_slot = slot_token_.as<int32_t>();
   g1.bias_a = layer.bias_gate.as<float>();
@@ -326,6 +361,18 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
 
   launch.gemm1 = false;
   ExpertGemmParams g2 = GemmParams(layer.w2, layer, pro.items, pro.num_items);
+  g2.direct_ids = g1.direct_ids;
+  g2.direct_mask = g1.direct_mask;
+  g2.direct_tokens = g1.direct_tokens;
+  g2.direct_top_k = g1.direct_top_k;
+  g2.direct_experts = g1.direct_experts;
+  g2.direct_shared = g1.direct_shared;
+  if (fold) {
+    g2.fold_counters = fold_counters_.as<int32_t>();
+    g2.fold_weights = batch.weights;
+    g2.fold_out = batch.out;
+    g2.fold_out_bf16 = batch.out_bf16;
+  }
   g2.b_rows = act_.as<uint16_t>();
   g2.bias_a = layer.bias_w2.as<float>();
   g2.out_valid = static_cast<int32_t>(layer.hidden);
@@ -338,6 +385,7 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
     return s;
   }
   if (absl::Status s = Mark(3, stream); !s.ok()) return s;
+  if (fold) return Mark(4, stream);
 
   ExpertCombineParams c;
   c.y = y_.as<float>();

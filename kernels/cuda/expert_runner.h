@@ -117,6 +117,9 @@ class ExpertRunner {
   // Tuning knobs (benchmarks): programmatic dependent launch between the kernels of a batch
   // (on by default) and the GEMM variant (GemmLaunch::variant, 0 by default).
   void set_programmatic_launch(bool on) { programmatic_ = on; }
+  // GemmLaunch::variant, or kAutoGemmVariant (the default): per batch, direct routes (T=1-like
+  // batches) -> 6 (deep shared-memory ring, 4-way K split, folded combine); otherwise up to
+  // 16-token items -> 7 (ring, one whole tile per warp); token_groups >= 4 -> 0 (tiled).
   void set_gemm_variant(int variant) { variant_ = variant; }
   // The wgmma kernel (items of up to 128 tokens, expert_gemm_wgmma.cu) runs both GEMMs when the
   // busiest slot has at least this many tokens; 0 never (the mma.sync kernels, as chosen by the
@@ -125,14 +128,23 @@ class ExpertRunner {
   // the same, 954-971 vs 963-966 us; from 4096 tokens wgmma is 1.6x faster, NOTES-cuda.md).
   static constexpr int kDefaultWgmmaMinTokens = 33;
   void set_wgmma_min_tokens(int tokens) { wgmma_min_tokens_ = tokens; }
+  // Direct routes (ExpertGemmParams::direct_ids) when no expert slot of the batch has more than
+  // one route and the variant runs the streaming kernel: no grouping, GEMM1 starts its weight
+  // loads during the prologue. On by default.
+  void set_direct_routes(bool on) { direct_ = on; }
+  // With direct routes and a variant that allows it (GemmCanFoldCombine): the combine folded into
+  // GEMM2 (ExpertGemmParams::fold_counters), no combine launch. On by default.
+  void set_fold_combine(bool on) { fold_ = on; }
 
  private:
   absl::Status Mark(int stage, cudaStream_t stream) const;
 
   bool poison_ = false;
   bool programmatic_ = true;
-  int variant_ = 0;
+  int variant_ = kAutoGemmVariant;
   int wgmma_min_tokens_ = kDefaultWgmmaMinTokens;
+  bool direct_ = true;
+  bool fold_ = true;
   cudaEvent_t* stage_events_ = nullptr;
   DeviceBuffer x_staged_;
   DeviceBuffer slot_token_;
@@ -141,6 +153,7 @@ class ExpertRunner {
   DeviceBuffer num_items_;
   DeviceBuffer act_;
   DeviceBuffer y_;
+  DeviceBuffer fold_counters_;  // zero between batches (the folded combine resets what it uses)
 };
 
 }  // namespace moe::cuda

@@ -23,20 +23,23 @@
 namespace moe {
 namespace {
 
-// GemmLaunch::variant 0..3 (kernels/cuda/expert_kernels.h; that header needs CUDA, this test
-// builds without it too) with the wgmma kernel off (the mma.sync kernels at every size), then
-// the wgmma kernel for every batch (wgmma_min_tokens 1, items of up to 128 tokens) in its three
-// configurations (variant 0: 4 warpgroups x 1 m64 block, shared-memory weight ring, "v4";
-// variant 1: 2 x 2, register ring, "v5"; variant 2: 4 x 1, register ring, "v6") and the default
-// configuration ("v7").
-constexpr int kGemmVariants = 4;
-struct BackendConfig {
+// GemmLaunch::variant 0..7 (kernels/cuda/expert_kernels.h; that header needs CUDA, this test
+// builds without it too), each with direct routes allowed (used where no expert has two routes,
+// e.g. T=1; variants 0, 1, 4 and 6 then fold the combine into GEMM2, 2, 5 and 7 do not) and the
+// wgmma kernel off; variants 0 and 4 with the grouped path always; the wgmma kernel for every
+// batch (wgmma_min_tokens 1, items of up to 128 tokens) in its three configurations (0: 4
+// warpgroups x 1 m64 block, shared-memory weight ring; 1: 2 x 2, register ring; 2: 4 x 1,
+// register ring: printed "w0".."w2"); and the defaults (per-batch choice, "v-1").
+constexpr int kGemmVariants = 8;
+struct BackendCase {
   int variant;
-  int wgmma_min_tokens;
+  bool direct;
+  int wgmma_min_tokens;  // 0: off, 1: always, -1: the runner's default
 };
-constexpr BackendConfig kConfigs[] = {{0, 0}, {1, 0}, {2, 0}, {3, 0},
-                                      {0, 1}, {1, 1}, {2, 1}, {0, -1}};
-static_assert(kGemmVariants == 4);
+const BackendCase kBackendCases[] = {{0, true, 0},  {1, true, 0},  {2, true, 0}, {3, true, 0},
+                                     {4, true, 0},  {5, true, 0},  {6, true, 0}, {7, true, 0},
+                                     {0, false, 0}, {4, false, 0}, {0, true, 1}, {1, true, 1},
+                                     {2, true, 1},  {-1, true, -1}};
 
 struct LayerCase {
   std::string name;
@@ -173,6 +176,12 @@ std::unique_ptr<HostRequest> RandomRequest(const LayerCase& c, int64_t tokens,
     }
   }
   for (int64_t t = 0; t < tokens; ++t) r->mask.push_back(unit(rng) < 0.5f ? 1 : 0);
+  // From two tokens on, the last one has no route at all (its output row must be zero; with
+  // direct routes nothing but the prologue writes it).
+  if (tokens >= 2) {
+    for (int k = 0; k < c.top_k; ++k) r->ids[(tokens - 1) * c.top_k + k] = -1;
+    r->mask[tokens - 1] = 0;
+  }
   const size_t out_size = c.out == DType::kF32 ? 4 : 2;
   r->out.resize(tokens * c.hidden * out_size);
   ExpertsRequest& q = r->request;
@@ -207,11 +216,13 @@ class ExpertsCudaTest : public ::testing::TestWithParam<LayerCase> {
   void SetUp() override {
     std::string why;
     if (cuda::DeviceCount(&why) == 0) GTEST_SKIP() << why;
-    for (const BackendConfig& config : kConfigs) {
+    static_assert(sizeof(kBackendCases) / sizeof(kBackendCases[0]) == kGemmVariants + 6);
+    for (const BackendCase& bc : kBackendCases) {
       CudaBackendOptions options;
       options.poison_scratch = true;
-      options.gemm_variant = config.variant;
-      options.wgmma_min_tokens = config.wgmma_min_tokens;
+      options.gemm_variant = bc.variant;
+      options.direct_routes = bc.direct;
+      options.wgmma_min_tokens = bc.wgmma_min_tokens;
       absl::StatusOr<std::unique_ptr<ExpertBackend>> b = MakeCudaExpertBackend(options);
       ASSERT_TRUE(b.ok()) << b.status();
       backends_.push_back(*std::move(b));
@@ -258,8 +269,10 @@ TEST_P(ExpertsCudaTest, MatchesReference) {
       ASSERT_TRUE(backend.Run(3, layer.layer, r->request).ok());
       EXPECT_EQ(r->out, first) << "second run differs (not bitwise repeatable)";
       const auto [rel, nans] = Compare(got, ref);
-      std::printf("[cuda-vs-ref] %-30s v%zu T=%-5lld rel_err=%.3e nan=%lld seed=%llu\n",
-                  c.name.c_str(), variant, static_cast<long long>(tokens), rel,
+      std::printf("[cuda-vs-ref] %-30s %s%d%s T=%-5lld rel_err=%.3e nan=%lld seed=%llu\n",
+                  c.name.c_str(), kBackendCases[variant].wgmma_min_tokens == 1 ? "w" : "v",
+                  kBackendCases[variant].variant, kBackendCases[variant].direct ? "d" : "g",
+                  static_cast<long long>(tokens), rel,
                   static_cast<long long>(nans), static_cast<unsigned long long>(seed));
       EXPECT_EQ(nans, 0) << c.name << " v" << variant << " T=" << tokens;
       EXPECT_LE(rel, 1e-2) << c.name << " v" << variant << " T=" << tokens << " seed=" << seed;
@@ -287,7 +300,7 @@ INSTANTIATE_TEST_SUITE_P(
         LayerCase{"mxfp4_swigluoai_gptoss_2880", kMx, Act(ActivationKind::kSwigluOai), kIl, 2880,
                   2880, 8, 4, true, 0, DType::kBF16, DType::kBF16, kTokens},
         LayerCase{"nvfp4_swigluoai_2880", kNv, Act(ActivationKind::kSwigluOai), kCat, 2880, 2880,
-                  4, 2, true, 0, DType::kF32, DType::kF32, {1, 7, 64, 333}},
+                  4, 2, true, 0, DType::kF32, DType::kF32, {1, 2, 7, 64, 333}},
         LayerCase{"nvfp4_silu_concat", kNv, Act(ActivationKind::kSilu), kCat, 512, 256, 16, 2,
                   false, 0, DType::kF32, DType::kF32, kTokens},
         LayerCase{"mxfp4_gelu_concat_padded", kMx, Act(ActivationKind::kGelu), kCat, 288, 160, 32,
