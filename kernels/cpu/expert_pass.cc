@@ -310,7 +310,12 @@ void RunExpertPass(const PreparedLayer& prepared, const ExpertLayer& layer, cons
   combine.shared_route_of = ws.shared_route_of.data();
   combine.out_f32 = input.out_f32;
   combine.out_bf16 = input.out_bf16;
-  pool.ParallelFor(pool.num_threads(), [&](int i, int n) { CombineRoutes(combine, i, n); });
+  // A few tokens' combine is a few microseconds on one core: waking the pool (and leaving its
+  // workers spinning) would cost more than it saves. Roughly one thread per 64K output elements.
+  const int64_t elements = input.tokens * prepared.hidden;
+  const int combine_threads = static_cast<int>(
+      std::clamp<int64_t>(elements / 65536, 1, pool.num_threads()));
+  pool.ParallelFor(combine_threads, [&](int i, int n) { CombineRoutes(combine, i, n); });
 }
 
 }  // namespace moe::cpu

@@ -89,12 +89,17 @@ class Executor {
   // Answers the items of `batch` whose deadline has passed and removes them from it.
   void DropExpired(std::vector<Pending*>& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status RunBatch(const std::vector<Pending*>& batch);
+  // Answers `batch` with `status` and adds it to the stats.
+  void Account(const std::vector<Pending*>& batch, const absl::Status& status,
+               absl::Duration compute) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   ExpertBackend* const backend_;
   const ExecutorOptions options_;
   mutable absl::Mutex mu_;
   std::deque<Pending*> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // A batch is running (on the worker, or inline on a caller's thread).
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;
   ExecutorStats stats_ ABSL_GUARDED_BY(mu_);
   ExecutorStats taken_ ABSL_GUARDED_BY(mu_);
   std::thread worker_;
