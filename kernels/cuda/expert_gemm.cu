@@ -328,14 +328,7 @@ __device__ __forceinline__ void GemmBody(const ExpertGemmParams& p, int row_bloc
 
   WeightStream<Fmt, RW> stream;
 #pragma unroll
-  for (int r = 0; r < RW; ++r) {
-    const int tile = tile0 + r < p.tiles ? tile0 + r : 0;
-    const int64_t base = static_cast<int64_t>(tile) * p.chunks;
-    stream.values[r] = static_cast<const uint4*>(p.values) +
-                       item.expert * p.values_expert_stride + base * kWarpLanes + lane;
-    stream.scales[r] = static_cast<const typename Fmt::Scale*>(p.scales) +
-                       item.expert * p.scales_expert_stride + base * 8 + g;
-  }
+  for (int r = 0; r < RW; ++r) stream.Aim(p, item.expert, r, tile0 + r, lane);
   const uint4* b_rows[G];
   const int64_t b_row_vectors = static_cast<int64_t>(p.chunks) * kActChunkVectors;
 #pragma unroll

@@ -117,6 +117,17 @@ struct WeightStream {
   const uint4* values[RW];
   const typename Fmt::Scale* scales[RW];
 
+  // Points stream r at this lane's part of tile `tile` of the item's expert (a tile past the
+  // matrix is pointed at tile 0: loaded, results unused).
+  __device__ __forceinline__ void Aim(const ExpertGemmParams& p, int expert, int r, int tile,
+                                      int lane) {
+    const int64_t base = static_cast<int64_t>(tile < p.tiles ? tile : 0) * p.chunks;
+    values[r] = static_cast<const uint4*>(p.values) + expert * p.values_expert_stride +
+                base * kWarpLanes + lane;
+    scales[r] = static_cast<const typename Fmt::Scale*>(p.scales) +
+                expert * p.scales_expert_stride + base * 8 + (lane >> 2);
+  }
+
   __device__ __forceinline__ void LoadIf(bool pred, int chunk, uint4 (&v)[RW],
                                          typename Fmt::Scale (&s)[RW]) const {
 #pragma unroll

@@ -133,14 +133,7 @@ __global__ void __launch_bounds__(TiledConfig<G, V>::kThreads, TiledConfig<G, V>
 
   WeightStream<Fmt, kRw> stream;
 #pragma unroll
-  for (int r = 0; r < kRw; ++r) {
-    const int tile = tile0 + r < p.tiles ? tile0 + r : 0;  // past the matrix: results unused
-    const int64_t base = static_cast<int64_t>(tile) * p.chunks;
-    stream.values[r] = static_cast<const uint4*>(p.values) +
-                       item.expert * p.values_expert_stride + base * kWarpLanes + lane;
-    stream.scales[r] = static_cast<const Scale*>(p.scales) +
-                       item.expert * p.scales_expert_stride + base * 8 + g;
-  }
+  for (int r = 0; r < kRw; ++r) stream.Aim(p, item.expert, r, tile0 + r, lane);
   const int n = p.chunks;
   uint4 v[kPrefetch][kRw];
   Scale s[kPrefetch][kRw];

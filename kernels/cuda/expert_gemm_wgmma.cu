@@ -282,14 +282,7 @@ __device__ __forceinline__ void WgBody(const ExpertGemmParams& p, const ExpertIt
 
   WeightStream<Fmt, MB> stream;
 #pragma unroll
-  for (int b = 0; b < MB; ++b) {
-    const int tile = tile_base + 4 * b < p.tiles ? tile_base + 4 * b : 0;  // past: unused
-    const int64_t base = static_cast<int64_t>(tile) * p.chunks;
-    stream.values[b] = static_cast<const uint4*>(p.values) +
-                       item.expert * p.values_expert_stride + base * kWarpLanes + lane;
-    stream.scales[b] = static_cast<const Scale*>(p.scales) +
-                       item.expert * p.scales_expert_stride + base * 8 + g;
-  }
+  for (int b = 0; b < MB; ++b) stream.Aim(p, item.expert, b, tile_base + 4 * b, lane);
   const int n = p.chunks;
   uint4 v[P][MB];
   Scale s[P][MB];
