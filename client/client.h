@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "kernels/eplb.h"
 #include "kernels/routing.h"
 #include "kernels/tensor.h"
