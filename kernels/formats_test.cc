@@ -228,7 +228,9 @@ TEST(Bf16Test, BulkConversionsEqualScalar) {
     for (int64_t i = 0; i < len; ++i) {
       ASSERT_EQ(bulk[i + 3], FloatToBf16(values[i + 3])) << std::hex << Bits(values[i + 3]);
     }
-    if (3 + len < static_cast<int64_t>(bulk.size())) ASSERT_EQ(bulk[3 + len], 0xABCD);
+    if (3 + len < static_cast<int64_t>(bulk.size())) {
+      ASSERT_EQ(bulk[3 + len], 0xABCD);
+    }
   }
 }
 

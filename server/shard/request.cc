@@ -1,5 +1,7 @@
 #include "server/shard/request.h"
 
+#include <cstdint>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -50,7 +52,15 @@ absl::Status StageHidden(const v1::HiddenStates& hs, int64_t hidden,
       if (absl::Status s = CheckTensor(data, "hidden_states.data", want, {t, hidden}); !s.ok()) {
         return s;
       }
-      staged.hidden = data;
+      // In place unless the bytes sit at an address their element type may not be read from (a
+      // raw frame's payload can start anywhere): then one aligned copy.
+      if (reinterpret_cast<uintptr_t>(data.data) % DTypeSize(want) != 0) {
+        out = HostTensor::Uninitialized(want, {t, hidden});
+        if (t * hidden > 0) std::memcpy(out.data<std::byte>(), data.data, data.NumBytes());
+        staged.hidden = out.view();
+      } else {
+        staged.hidden = data;
+      }
       return absl::OkStatus();
     }
     case v1::ACTIVATION_MXFP8:

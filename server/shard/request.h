@@ -41,10 +41,10 @@ struct StagedRequest {
   int64_t num_tokens = 0;
   // The hidden states as the backend reads them, F32 or BF16 [T, H]. For F32 and BF16 payloads
   // a view over the request's own bytes (the message, the raw frame or the shared-memory range,
-  // which must outlive it): the shard never copies them. For MXFP8 / NVFP4 payloads a view over
-  // `decoded_hidden`.
+  // which must outlive it): the shard does not copy them (except once when they are not aligned
+  // to their element size). For MXFP8 / NVFP4 payloads a view over `decoded_hidden`.
   TensorView hidden;
-  HostTensor decoded_hidden;  // F32 [T, H] dequantized from an MXFP8 / NVFP4 payload
+  HostTensor decoded_hidden;  // F32 [T, H] from an MXFP8 / NVFP4 payload, or the aligned copy
   HostTensor physical_ids;  // I32 [T, K], -1 for padding / no route
   HostTensor local_ids;     // I32 [T, K], -1 where the slot is not hosted here
   HostTensor weights;       // F32 [T, K], 0 for padded tokens

@@ -96,6 +96,33 @@ TEST(RequestTest, Mxfp8InputIsDecodedLikeTheStagingDecoder) {
   EXPECT_EQ(std::memcmp(s->hidden.data, want.data<float>(), want.NumElements() * 4), 0);
 }
 
+// Hidden states passed outside the message (raw frames, shared memory) are read in place when
+// aligned to their element size, copied once (aligned) when not; either way bit-exact. The
+// message must not carry them too.
+TEST(RequestTest, OutsidePayloadInPlaceOrAlignedCopy) {
+  v1::ForwardRequest r = BaseRequest();
+  const std::string bytes = r.hidden_states().data().data();
+  r.mutable_hidden_states()->mutable_data()->clear_data();
+  std::vector<uint64_t> storage(bytes.size() / 8 + 2);  // 8-byte aligned
+  char* base = reinterpret_cast<char*>(storage.data());
+  std::memcpy(base, bytes.data(), bytes.size());
+  absl::StatusOr<StagedRequest> s = StageForwardRequest(
+      r, Model(), *Rank1Placement(), absl::string_view(base, bytes.size()));
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->hidden.data, base) << "aligned payload not read in place";
+  std::memmove(base + 1, base, bytes.size());  // now at an odd address
+  s = StageForwardRequest(r, Model(), *Rank1Placement(),
+                          absl::string_view(base + 1, bytes.size()));
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_NE(s->hidden.data, static_cast<void*>(base + 1));
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(s->hidden.data) % alignof(float), 0u);
+  EXPECT_EQ(std::memcmp(s->hidden.data, bytes.data(), bytes.size()), 0);
+  // The payload in both places: refused.
+  r.mutable_hidden_states()->mutable_data()->set_data(bytes);
+  s = StageForwardRequest(r, Model(), *Rank1Placement(), absl::string_view(base, bytes.size()));
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(RequestTest, MonolithicRoutingReturnsItsDecisions) {
   v1::ForwardRequest r = BaseRequest();
   r.clear_topk_ids();
