@@ -6,7 +6,8 @@
 // Grid: the quantization blocks first, then one thread per route for the EPLB remap and load
 // recording. MXFP8: each thread owns 8 consecutive elements (one 16-byte load), four lanes a
 // group of 32, sixteen lanes a packed scale word. NVFP4: one block per token row (the token scale
-// needs the whole row's amax first), each lane one group of 16 in the second pass.
+// needs the whole row's amax first), each lane one group of 16 in the second pass; E2M1 codes by
+// exact threshold comparisons in double instead of a division per element.
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -58,12 +59,21 @@ __device__ __forceinline__ float E4m3Decode(uint32_t bits) {
   return (bits & 0x80u) != 0 ? -magnitude : magnitude;
 }
 
-// FloatToE2m1 of formats.cc: midpoints to the even code, NaN and everything rounding to zero -> 0.
-__device__ __forceinline__ uint32_t E2m1Encode(float x) {
-  // The number of thresholds passed is the magnitude code (comparisons with NaN are false: 0).
-  const float a = fabsf(x);
-  const uint32_t m = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
-                     (a >= 3.5f) + (a > 5.f);
+// FloatToE2m1 of formats.cc counts the thresholds its argument passes (midpoints to the even
+// code): > 0.25, >= 0.75, > 1.25, >= 1.75, > 2.5, >= 3.5, > 5. For its argument fl(q), the
+// correctly rounded quotient q = |x| / unit: fl(q) > c iff q > c + ulp(c) / 2, and fl(q) >= c iff
+// q >= c - ulp(c) / 2 (every threshold has an even last mantissa bit, so a tie rounds to c).
+// Each bound has at most 26 significant bits and unit 24, so bound * unit is exact in double.
+__device__ constexpr double kE2m1Bounds[7] = {
+    0.25 + 0x1p-26, 0.75 - 0x1p-25, 1.25 + 0x1p-24, 1.75 - 0x1p-24,
+    2.5 + 0x1p-23,  3.5 - 0x1p-23,  5.0 + 0x1p-22};
+
+// FloatToE2m1(x / unit) given bound[k] = kE2m1Bounds[k] * unit (unit > 0): the same code for
+// every x, NaN (no comparison holds: 0) and infinities (all hold: 7) included.
+__device__ __forceinline__ uint32_t E2m1EncodeScaled(float x, const double (&bound)[7]) {
+  const double a = fabs(static_cast<double>(x));
+  const uint32_t m = (a > bound[0]) + (a >= bound[1]) + (a > bound[2]) + (a >= bound[3]) +
+                     (a > bound[4]) + (a >= bound[5]) + (a > bound[6]);
   if (m == 0) return 0;
   return signbit(x) ? (0x8u | m) : m;
 }
@@ -190,10 +200,16 @@ __global__ void __launch_bounds__(kThreads) StageNvfp4Kernel(const StagingParams
     const float unit = __fmul_rn(sf, x_scale);
     uint32_t lo = 0, hi = 0;
     if (sf != 0.f) {
+      // FloatToE2m1(x / unit) without the 16 IEEE divisions: the rounded quotient passes a
+      // threshold exactly when |x| passes the threshold's rounding boundary times unit, and that
+      // product is exact in double (kE2m1Bounds).
+      double bound[7];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) lo |= E2m1Encode(__fdiv_rn(Bf16At(a, i), unit)) << (4 * i);
+      for (int k = 0; k < 7; ++k) bound[k] = kE2m1Bounds[k] * static_cast<double>(unit);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) hi |= E2m1Encode(__fdiv_rn(Bf16At(b, i), unit)) << (4 * i);
+      for (int i = 0; i < 8; ++i) lo |= E2m1EncodeScaled(Bf16At(a, i), bound) << (4 * i);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) hi |= E2m1EncodeScaled(Bf16At(b, i), bound) << (4 * i);
     }
     const int quad = lane & ~3;
     const uint32_t word = __shfl_sync(kFull, sf_bits, quad) | __shfl_sync(kFull, sf_bits, quad + 1) << 8 |
