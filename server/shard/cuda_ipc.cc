@@ -148,36 +148,35 @@ absl::Status CudaIpcMemory::Check(absl::string_view handle, uint64_t offset, uin
 
 absl::Status CudaIpcMemory::CopyToHost(absl::string_view handle, uint64_t offset, uint64_t length,
                                        void* dst, absl::string_view field) {
-  char* src = nullptr;
-  {
-    absl::MutexLock lock(&state_->mu);
-    absl::StatusOr<Opened*> o = state_->Open(handle, field);
-    if (!o.ok()) return o.status();
-    if (absl::Status s = CheckRange(**o, offset, length, field); !s.ok()) return s;
-    src = (*o)->base + offset;
-    // The copy runs under the lock: an eviction by another request cannot close it meanwhile.
-    if (length == 0) return absl::OkStatus();
-    cudaSetDevice(0);
-    cudaError_t e = cudaMemcpyAsync(dst, src, length, cudaMemcpyDeviceToHost, state_->stream);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(state_->stream);
-    if (e != cudaSuccess) return CudaError(e, absl::StrCat(field, ": device-to-host copy"));
-  }
-  return absl::OkStatus();
+  return Transfer(handle, offset, length, dst, /*to_device=*/false, field);
 }
 
 absl::Status CudaIpcMemory::CopyFromHost(const void* src, absl::string_view handle,
                                          uint64_t offset, uint64_t length,
                                          absl::string_view field) {
+  return Transfer(handle, offset, length, const_cast<void*>(src), /*to_device=*/true, field);
+}
+
+absl::Status CudaIpcMemory::Transfer(absl::string_view handle, uint64_t offset, uint64_t length,
+                                     void* host, bool to_device, absl::string_view field) {
+  // The copy runs under the lock: an eviction by another request cannot close the handle
+  // meanwhile.
   absl::MutexLock lock(&state_->mu);
   absl::StatusOr<Opened*> o = state_->Open(handle, field);
   if (!o.ok()) return o.status();
   if (absl::Status s = CheckRange(**o, offset, length, field); !s.ok()) return s;
   if (length == 0) return absl::OkStatus();
   cudaSetDevice(0);
-  cudaError_t e =
-      cudaMemcpyAsync((*o)->base + offset, src, length, cudaMemcpyHostToDevice, state_->stream);
+  char* device = (*o)->base + offset;
+  cudaError_t e = to_device ? cudaMemcpyAsync(device, host, length, cudaMemcpyHostToDevice,
+                                              state_->stream)
+                            : cudaMemcpyAsync(host, device, length, cudaMemcpyDeviceToHost,
+                                              state_->stream);
   if (e == cudaSuccess) e = cudaStreamSynchronize(state_->stream);
-  if (e != cudaSuccess) return CudaError(e, absl::StrCat(field, ": host-to-device copy"));
+  if (e != cudaSuccess) {
+    return CudaError(e, absl::StrCat(field, to_device ? ": host-to-device copy"
+                                                      : ": device-to-host copy"));
+  }
   return absl::OkStatus();
 }
 

@@ -42,6 +42,10 @@ class CudaIpcMemory {
   struct State;
 
  private:
+  // Copies between [offset, offset + length) of the allocation and `host`, either way.
+  absl::Status Transfer(absl::string_view handle, uint64_t offset, uint64_t length, void* host,
+                        bool to_device, absl::string_view field);
+
   std::unique_ptr<State> state_;
 };
 

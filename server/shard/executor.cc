@@ -60,20 +60,8 @@ absl::Status Executor::Run(const WorkItem& item) {
     // item to the worker would cost two thread wake-ups (tens of microseconds on a busy host),
     // more than a one-token decode step's transfer.
     std::vector<Pending*> batch{&pending};
-    DropExpired(batch);
-    if (batch.empty()) return pending.status;
-    busy_ = true;
-    mu_.Unlock();
-    const absl::Time start = absl::Now();
-    const absl::Status status = RunBatch(batch);
-    const absl::Duration compute = absl::Now() - start;
-    if (options_.observer != nullptr) {
-      options_.observer->OnBatch(item.hidden.dim(0), 1, compute);
-    }
-    mu_.Lock();
-    busy_ = false;
-    Account(batch, status, compute);
-    return status;
+    RunLocked(batch);
+    return pending.status;
   }
   queue_.push_back(&pending);
   mu_.Await(absl::Condition(
@@ -131,24 +119,28 @@ void Executor::WorkerLoop() {
           options_.max_batch_wait);
     }
     std::vector<Pending*> batch = TakeBatch();
-    DropExpired(batch);
-    if (batch.empty()) continue;
-    busy_ = true;
-    mu_.Unlock();
-    const absl::Time start = absl::Now();
-    absl::Status status = RunBatch(batch);
-    const absl::Duration compute = absl::Now() - start;
-    uint64_t tokens = 0;
-    for (Pending* p : batch) tokens += p->item->hidden.dim(0);
-    // Outside the lock: the observer must not delay callers queueing their next requests.
-    if (options_.observer != nullptr) {
-      options_.observer->OnBatch(static_cast<int64_t>(tokens), static_cast<int64_t>(batch.size()),
-                                 compute);
-    }
-    mu_.Lock();
-    busy_ = false;
-    Account(batch, status, compute);
+    RunLocked(batch);
   }
+}
+
+void Executor::RunLocked(std::vector<Pending*>& batch) {
+  DropExpired(batch);
+  if (batch.empty()) return;
+  busy_ = true;
+  mu_.Unlock();
+  const absl::Time start = absl::Now();
+  const absl::Status status = RunBatch(batch);
+  const absl::Duration compute = absl::Now() - start;
+  uint64_t tokens = 0;
+  for (Pending* p : batch) tokens += p->item->hidden.dim(0);
+  // Outside the lock: the observer must not delay callers queueing their next requests.
+  if (options_.observer != nullptr) {
+    options_.observer->OnBatch(static_cast<int64_t>(tokens), static_cast<int64_t>(batch.size()),
+                               compute);
+  }
+  mu_.Lock();
+  busy_ = false;
+  Account(batch, status, compute);
 }
 
 void Executor::Account(const std::vector<Pending*>& batch, const absl::Status& status,

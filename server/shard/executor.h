@@ -89,6 +89,9 @@ class Executor {
   // Answers the items of `batch` whose deadline has passed and removes them from it.
   void DropExpired(std::vector<Pending*>& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status RunBatch(const std::vector<Pending*>& batch);
+  // Drops the expired items of `batch`, runs the rest with the lock released (busy_ set
+  // meanwhile, so nothing else runs on the backend), then answers them and counts them.
+  void RunLocked(std::vector<Pending*>& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers `batch` with `status` and adds it to the stats.
   void Account(const std::vector<Pending*>& batch, const absl::Status& status,
                absl::Duration compute) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

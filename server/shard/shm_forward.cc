@@ -16,6 +16,20 @@ bool Overlap(uint64_t a, uint64_t n, uint64_t b, uint64_t m) {
   return n > 0 && m > 0 && a < b + m && b < a + n;
 }
 
+// The hidden states travel outside the message (`where`): its own data field must be empty.
+absl::Status RequireNoInlinePayload(const v1::ForwardRequest& request, absl::string_view where) {
+  if (request.hidden_states().data().data().empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("request.hidden_states.data.data: must be empty (the bytes are in ", where, ")"));
+}
+
+// The output range the caller named must be exactly the output's size.
+absl::Status CheckOutputSize(uint64_t range, size_t bytes) {
+  if (range == bytes) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("output: range of ", range, " bytes, the output has ", bytes));
+}
+
 }  // namespace
 
 grpc::Status ShmForwardService::RegisterSharedMemory(grpc::ServerContext*,
@@ -37,10 +51,7 @@ grpc::Status ShmForwardService::Forward(grpc::ServerContext*, const v1::ShmForwa
 
 absl::Status ShmForwardService::DoForward(const v1::ShmForwardRequest& shm,
                                           v1::ForwardResponse* response) {
-  if (!shm.request().hidden_states().data().data().empty()) {
-    return absl::InvalidArgumentError(
-        "request.hidden_states.data.data: must be empty (the bytes are in shared memory)");
-  }
+  if (absl::Status s = RequireNoInlinePayload(shm.request(), "shared memory"); !s.ok()) return s;
   const v1::SharedMemoryRef& in_ref = shm.hidden_states();
   const v1::SharedMemoryRef& out_ref = shm.output();
   absl::StatusOr<ShmRegistry::Lease> in_lease = registry_.Acquire(in_ref.region_id());
@@ -64,14 +75,10 @@ absl::Status ShmForwardService::DoForward(const v1::ShmForwardRequest& shm,
   ForwardIo io;
   io.hidden_payload = absl::string_view(reinterpret_cast<const char*>(in->data()), in->size());
   io.output_buffer = [&](size_t bytes) -> absl::StatusOr<absl::Span<uint8_t>> {
-    if (bytes != out->size()) {
-      return absl::InvalidArgumentError(absl::StrCat("output: range of ", out->size(),
-                                                     " bytes, the output has ", bytes));
-    }
+    if (absl::Status s = CheckOutputSize(out->size(), bytes); !s.ok()) return s;
     return *out;
   };
-  if (absl::Status s = shard_->ServeForward(shm.request(), response, io); !s.ok()) return s;
-  return absl::OkStatus();
+  return shard_->ServeForward(shm.request(), response, io);
 }
 
 grpc::Status ShmForwardService::OpenChannel(grpc::ServerContext*,
@@ -127,13 +134,11 @@ grpc::Status ShmForwardService::ForwardCuda(grpc::ServerContext*,
 
 absl::Status ShmForwardService::DoForwardCuda(const v1::CudaForwardRequest& cuda,
                                               v1::ForwardResponse* response) {
-  if (!cuda.request().hidden_states().data().data().empty()) {
-    return absl::InvalidArgumentError(
-        "request.hidden_states.data.data: must be empty (the bytes are in device memory)");
-  }
+  if (absl::Status s = RequireNoInlinePayload(cuda.request(), "device memory"); !s.ok()) return s;
   const v1::CudaIpcRef& in_ref = cuda.hidden_states();
   const v1::CudaIpcRef& out_ref = cuda.output();
-  for (const auto& [ref, field] : {std::pair{&in_ref, "hidden_states"}, std::pair{&out_ref, "output"}}) {
+  for (const auto& [ref, field] :
+       {std::pair{&in_ref, "hidden_states"}, std::pair{&out_ref, "output"}}) {
     if (ref->length() > kMaxCudaIpcBytes) {
       return absl::ResourceExhaustedError(absl::StrCat(field, ": length ", ref->length(),
                                                        " exceeds the ", kMaxCudaIpcBytes,
@@ -157,10 +162,7 @@ absl::Status ShmForwardService::DoForwardCuda(const v1::CudaForwardRequest& cuda
   io.hidden_payload =
       absl::string_view(reinterpret_cast<const char*>(host_in.data<uint8_t>()), in_ref.length());
   io.output_buffer = [&](size_t bytes) -> absl::StatusOr<absl::Span<uint8_t>> {
-    if (bytes != out_ref.length()) {
-      return absl::InvalidArgumentError(absl::StrCat("output: range of ", out_ref.length(),
-                                                     " bytes, the output has ", bytes));
-    }
+    if (absl::Status s = CheckOutputSize(out_ref.length(), bytes); !s.ok()) return s;
     host_out = HostTensor::Uninitialized(DType::kU8, {static_cast<int64_t>(bytes)});
     return absl::Span<uint8_t>(host_out.data<uint8_t>(), bytes);
   };
