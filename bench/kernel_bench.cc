@@ -319,42 +319,39 @@ int Main() {
     const Stats e2e = Summarize(TimeGraph(layer, runner, sets, true, std::max(10, reps / 4), stream));
     const std::vector<double> stages = StageSplit(layer, runner, sets, stream);
     nlohmann::json extras = nlohmann::json::array();
+    // Times the sets with the runner's current settings; records median and stage split.
+    const auto time_with_stages = [&](const std::string& name) {
+      const Stats st = Summarize(TimeGraph(layer, runner, sets, false, reps, stream));
+      const std::vector<double> sp = StageSplit(layer, runner, sets, stream);
+      std::printf("      %-16s median %8.1f us (p10 %8.1f p90 %8.1f) stages %.1f/%.1f/%.1f/%.1f us\n",
+                  name.c_str(), st.median, st.p10, st.p90, sp[0], sp[1], sp[2], sp[3]);
+      extras.push_back({{"name", name},
+                        {"device_graph", ToJson(st)},
+                        {"stage_median_us",
+                         {{"prologue", sp[0]}, {"gemm1", sp[1]}, {"gemm2", sp[2]}, {"combine", sp[3]}}}});
+    };
     const bool wgmma = sets[0]->plan.max_count >= cuda::ExpertRunner::kDefaultWgmmaMinTokens;
     if (wgmma) {
       // The same sets through the mma.sync kernels (wgmma off): old vs new in one run.
       runner.set_wgmma_min_tokens(0);
-      const Stats st = Summarize(TimeGraph(layer, runner, sets, false, reps, stream));
-      const std::vector<double> old_stages = StageSplit(layer, runner, sets, stream);
+      time_with_stages("mma_sync_no_wgmma");
       runner.set_wgmma_min_tokens(cuda::ExpertRunner::kDefaultWgmmaMinTokens);
-      std::printf("      %-16s median %8.1f us (p10 %8.1f p90 %8.1f) stages %.1f/%.1f/%.1f/%.1f us\n",
-                  "mma_sync_no_wgmma", st.median, st.p10, st.p90, old_stages[0], old_stages[1],
-                  old_stages[2], old_stages[3]);
-      extras.push_back({{"name", "mma_sync_no_wgmma"},
-                        {"device_graph", ToJson(st)},
-                        {"stage_median_us",
-                         {{"prologue", old_stages[0]},
-                          {"gemm1", old_stages[1]},
-                          {"gemm2", old_stages[2]},
-                          {"combine", old_stages[3]}}}});
       // The other wgmma configurations (variant 1: 2 warpgroups x 2 m64 blocks, register weight
-      // ring; variant 2: 4 x 1, register weight ring).
-      for (int variant : {1, 2}) {
+      // ring; variant 2: 4 x 1, register weight ring; variant 3: 4 x 1 + a producer warp).
+      for (int variant : {1, 2, 3}) {
         runner.set_gemm_variant(variant);
-        const Stats vs = Summarize(TimeGraph(layer, runner, sets, false, reps, stream));
-        const std::vector<double> v_stages = StageSplit(layer, runner, sets, stream);
-        const std::string name = absl::StrCat("wgmma_variant", variant);
-        std::printf("      %-16s median %8.1f us (p10 %8.1f p90 %8.1f) stages %.1f/%.1f/%.1f/%.1f us\n",
-                    name.c_str(), vs.median, vs.p10, vs.p90, v_stages[0], v_stages[1],
-                    v_stages[2], v_stages[3]);
-        extras.push_back({{"name", name},
-                          {"device_graph", ToJson(vs)},
-                          {"stage_median_us",
-                           {{"prologue", v_stages[0]},
-                            {"gemm1", v_stages[1]},
-                            {"gemm2", v_stages[2]},
-                            {"combine", v_stages[3]}}}});
+        time_with_stages(absl::StrCat("wgmma_variant", variant));
       }
-      runner.set_gemm_variant(0);
+      runner.set_gemm_variant(cuda::kAutoGemmVariant);
+    }
+    if (!wgmma && sets[0]->plan.max_count > 8) {
+      // The same sets through the wgmma kernel (every batch): where the threshold should be.
+      runner.set_wgmma_min_tokens(1);
+      time_with_stages("wgmma_forced");
+      runner.set_gemm_variant(3);
+      time_with_stages("wgmma_variant3_forced");
+      runner.set_gemm_variant(cuda::kAutoGemmVariant);
+      runner.set_wgmma_min_tokens(cuda::ExpertRunner::kDefaultWgmmaMinTokens);
     }
     if (tokens <= absl::GetFlag(FLAGS_extras_max_tokens)) {
       // variant0_grouped is the previous default (register ring, routes always grouped).
