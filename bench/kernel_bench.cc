@@ -337,8 +337,8 @@ int Main() {
       time_with_stages("mma_sync_no_wgmma");
       runner.set_wgmma_min_tokens(cuda::ExpertRunner::kDefaultWgmmaMinTokens);
       // The other wgmma configurations (variant 1: 2 warpgroups x 2 m64 blocks, register weight
-      // ring; variant 2: 4 x 1, register weight ring; variant 3: 4 x 1 + a producer warp).
-      for (int variant : {1, 2, 3}) {
+      // ring; variant 2: 4 x 1, register weight ring).
+      for (int variant : {1, 2}) {
         runner.set_gemm_variant(variant);
         time_with_stages(absl::StrCat("wgmma_variant", variant));
       }
@@ -348,9 +348,6 @@ int Main() {
       // The same sets through the wgmma kernel (every batch): where the threshold should be.
       runner.set_wgmma_min_tokens(1);
       time_with_stages("wgmma_forced");
-      runner.set_gemm_variant(3);
-      time_with_stages("wgmma_variant3_forced");
-      runner.set_gemm_variant(cuda::kAutoGemmVariant);
       runner.set_wgmma_min_tokens(cuda::ExpertRunner::kDefaultWgmmaMinTokens);
     }
     if (tokens <= absl::GetFlag(FLAGS_extras_max_tokens)) {
@@ -413,7 +410,7 @@ int Main() {
         "floor %7.1f us (%s) ratio %.2f | target %6.0f us %s | with copies %8.1f us | stages "
         "%.1f/%.1f/%.1f/%.1f us\n",
         static_cast<long long>(tokens), active, sets[0]->plan.token_groups,
-        wgmma ? " (wgmma: 16)" : "", static_cast<long long>(sets[0]->plan.num_items), device.median, device.p10, device.p90,
+        wgmma ? absl::StrCat(" (wgmma: ", cuda::kWgmmaTokenGroups, ")").c_str() : "", static_cast<long long>(sets[0]->plan.num_items), device.median, device.p10, device.p90,
         floor, memory_floor >= compute_floor ? "memory" : "compute", device.median / floor,
         target, target > 0 ? (device.median <= target ? "MET" : "missed") : "", e2e.median,
         stages[0], stages[1], stages[2], stages[3]);

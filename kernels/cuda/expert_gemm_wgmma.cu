@@ -1,4 +1,4 @@
-// Expert GEMMs for large token tiles (items of up to 128 tokens, GemmLaunch::token_groups 16) on
+// Expert GEMMs for large token tiles (items of up to 144 tokens, GemmLaunch::token_groups 18) on
 // Hopper warpgroup MMA (sm_90a wgmma.mma_async, A from registers, B from shared memory).
 //
 // A CTA covers 256 weight rows (16 tiles of repack.h) of one item: 4 warpgroups x 1 m64 block
@@ -12,7 +12,7 @@
 // 16-byte vector v stored at vector v ^ (n % 8); stages 1024-byte aligned). Activations on this
 // path are in natural K order (the prologue and this GEMM1's epilogue write them so when the plan
 // uses this kernel; ExpertPrologueParams::natural_order). The item's token count picks the wgmma
-// width N in {32, 64, 96, 128} once per CTA; token columns past the count hold stale shared
+// width N in {32, 64, 96, 128, 144} once per CTA; token columns past the count hold stale shared
 // memory and only feed accumulator columns the epilogue never writes.
 //
 // Per chunk i (all threads): wait for its B stage, barrier, refill the stages of chunk i - 2
@@ -43,23 +43,16 @@ namespace {
 // ring kWgWStages deep (cp.async, so bytes in flight cost no registers); 1: 2 warpgroups x 2
 // blocks (256 threads, one block's wgmma group in flight while the other is dequantized), weights
 // through the register ring; 2: 4 x 1 with the register ring. All: 256 rows.
-// 3: as 0 plus one producer warp that issues every copy; stages handed over through mbarriers
-// (full: the producer's copies landed; empty: all 16 consumer warps are done with the stage), so
-// consumer warps never wait for each other.
 template <int V>
 struct WgConfig {
   static constexpr int kGroups = V == 1 ? 2 : 4;   // warpgroups per CTA
   static constexpr int kBlocks = V == 1 ? 2 : 1;   // m64 blocks per warpgroup
-  static constexpr bool kSmemWeights = V == 0 || V == 3;
-  static constexpr bool kProducer = V == 3;
-  static constexpr int kConsumerThreads = kGroups * 128;
-  // The producer is a whole warpgroup (registers are handed out per warpgroup: setmaxnreg moves
-  // them from it to the consumers); only its first warp issues copies.
-  static constexpr int kThreads = kConsumerThreads + (kProducer ? 128 : 0);
+  static constexpr bool kSmemWeights = V == 0;
+  static constexpr int kThreads = kGroups * 128;
   static constexpr int kCtaRows = kGroups * kBlocks * 64;  // 256 weight rows
   static constexpr int kCtaTiles = kCtaRows / kTileRows;   // 16
 };
-constexpr int kWgMaxTokens = 128;
+constexpr int kWgMaxTokens = 144;  // 8 * kWgmmaTokenGroups
 constexpr int kWgStages = 6;
 constexpr int kWgRowBytes = kChunkK * 2;                    // one token's chunk: 128 bytes
 constexpr uint32_t kWgStageBytes = kWgMaxTokens * kWgRowBytes;  // 16 KB
@@ -74,20 +67,9 @@ template <class Fmt>
 constexpr uint32_t WgScaleStageBytes() {
   return 16 * 8 * sizeof(typename Fmt::Scale);
 }
-// Variant 3: B stages, weight stages (fewer B stages: they are only refilled once all warps
-// are done, not at a fixed distance), mbarriers after them.
-constexpr int kWpBStages = 6;
-constexpr int kWpWStages = 10;
-template <class Fmt>
-constexpr uint32_t WpBarrierOffset() {
-  return kWpBStages * kWgStageBytes +
-         kWpWStages * (WgCodeStageBytes<Fmt>() + WgScaleStageBytes<Fmt>());
-}
 template <class Fmt, int V>
 constexpr size_t WgSmemBytes() {
-  if constexpr (WgConfig<V>::kProducer) {
-    return WpBarrierOffset<Fmt>() + 2 * (kWpBStages + kWpWStages) * 8 + kWgMaxTokens * 4 + 1024;
-  } else if constexpr (WgConfig<V>::kSmemWeights) {
+  if constexpr (WgConfig<V>::kSmemWeights) {
     return kWgBStagesW * kWgStageBytes +
            kWgWStages * (WgCodeStageBytes<Fmt>() + WgScaleStageBytes<Fmt>()) + 1024;
   } else {
@@ -133,40 +115,6 @@ __device__ __forceinline__ void WgmmaCommit() {
 template <int N>
 __device__ __forceinline__ void WgmmaWait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-
-// mbarriers (shared::cta). The wait spins on try_wait (which itself suspends for a while).
-__device__ __forceinline__ void MbarInit(uint32_t addr, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(addr), "r"(count) : "memory");
-}
-__device__ __forceinline__ void MbarArrive(uint32_t addr) {
-  asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(
-                   addr)
-               : "memory");
-}
-// Arrives (counting as this thread's arrival) once all of this thread's earlier cp.async landed.
-__device__ __forceinline__ void MbarArriveOnCopies(uint32_t addr) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(addr) : "memory");
-}
-__device__ __forceinline__ void MbarWait(uint32_t addr, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred done;\n"
-      "WAIT:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      " @!done bra WAIT;\n"
-      "}\n" ::"r"(addr),
-      "r"(parity)
-      : "memory");
-}
-
-// Register budget per thread of the executing warpgroup (all its warps execute it).
-template <int R>
-__device__ __forceinline__ void SetMaxRegistersInc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
-}
-template <int R>
-__device__ __forceinline__ void SetMaxRegistersDec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
 }
 
 // Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row core groups 1024 bytes apart
@@ -512,199 +460,10 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const Exp
   }
 }
 
-// Variant 3. The producer warpgroup (warps 16-19) issues every copy: per iteration j, the weights
-// of chunk j (16 tiles x 512 bytes of codes + their scales) into weight stage j % SW and the B rows
-// of chunk j - (SW - SB) into B stage (j - SW + SB) % SB, each once the stage's empty barrier says
-// all 16 consumer warps are done with the chunk S earlier, then arrives on the stage's full barrier
-// when its copies have landed (cp.async.mbarrier.arrive.noinc: 128 arrivals). Consumer warps wait
-// for chunk i's full barriers, read their weights into registers and release the weight stage at
-// once, issue the chunk's wgmma groups, and release the B stage of chunk i - 1 (the step waits of
-// chunk i covered all of its groups). No CTA-wide barrier in the loop.
-template <class Fmt, bool kGemm1, int V, int N>
-__device__ __forceinline__ void WgBodyProducer(const ExpertGemmParams& p, const ExpertItem& item,
-                                               int row_block, uint32_t smem_base) {
-  using Cfg = WgConfig<V>;
-  using Scale = typename Fmt::Scale;
-  constexpr int MB = Cfg::kBlocks, SB = kWpBStages, SW = kWpWStages, kLag = SW - SB;
-  constexpr int kGroupsPerChunk = MB * kStepsPerChunk;
-  constexpr int kConsumerWarps = Cfg::kConsumerThreads / kWarpLanes;
-  constexpr uint32_t kCodeStage = WgCodeStageBytes<Fmt>();
-  constexpr uint32_t kScaleStage = WgScaleStageBytes<Fmt>();
-  static_assert(Cfg::kCtaTiles == 16 && SW >= SB && MB == 1);
-  const uint32_t code_base = smem_base + SB * kWgStageBytes;
-  const uint32_t scale_base = code_base + SW * kCodeStage;
-  const uint32_t full_b = smem_base + WpBarrierOffset<Fmt>();
-  const uint32_t empty_b = full_b + SB * 8;
-  const uint32_t full_w = empty_b + SB * 8;
-  const uint32_t empty_w = full_w + SW * 8;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int n = p.chunks;
-  if (threadIdx.x == 0) {
-    for (int st = 0; st < SB; ++st) {
-      MbarInit(full_b + 8 * st, Cfg::kThreads - Cfg::kConsumerThreads);
-      MbarInit(empty_b + 8 * st, kConsumerWarps);
-    }
-    for (int st = 0; st < SW; ++st) {
-      MbarInit(full_w + 8 * st, Cfg::kThreads - Cfg::kConsumerThreads);
-      MbarInit(empty_w + 8 * st, kConsumerWarps);
-    }
-  }
-  __syncthreads();
-
-  if (warp >= kConsumerWarps) {
-    // ---- Producer warpgroup (32 registers: it gives back 128 x 64, the consumers take 512 x 16;
-    // the per-CTA pool holds only registers given back). Its 4 warps (one per SM sub-partition)
-    // share the copies: warp q the codes of tiles 4q..4q+3, thread t scale vectors t + 128 k and
-    // B vectors t + 128 k (token t / 8 + 16 k, 16-byte part t % 8).
-    SetMaxRegistersDec<32>();
-    constexpr int kProducerThreads = Cfg::kThreads - Cfg::kConsumerThreads;
-    constexpr int kScaleVectorsPerTile = 8 * static_cast<int>(sizeof(Scale)) / 16;
-    constexpr int kScaleVectors = 16 * kScaleVectorsPerTile;
-    constexpr int kScalePer = (kScaleVectors + kProducerThreads - 1) / kProducerThreads;
-    constexpr int kBPer = N * kActChunkVectors / kProducerThreads;  // B vectors per thread
-    constexpr int kTokenStride = kProducerThreads / kActChunkVectors;
-    static_assert(kProducerThreads == 128 && kBPer * kProducerThreads == N * kActChunkVectors);
-    const int pt = static_cast<int>(threadIdx.x) - Cfg::kConsumerThreads, pw = pt / kWarpLanes;
-    const int64_t tile_codes = static_cast<int64_t>(n) * kWarpLanes;  // vectors per tile
-    const uint4* codes = static_cast<const uint4*>(p.values) + item.expert * p.values_expert_stride;
-    const uint4* scales = reinterpret_cast<const uint4*>(
-        static_cast<const Scale*>(p.scales) + item.expert * p.scales_expert_stride);
-    const int64_t tile_scales = static_cast<int64_t>(n) * kScaleVectorsPerTile;
-    const int first_tile = row_block * 16 + 4 * pw;
-    const int valid_tiles = p.tiles - first_tile;
-    const int part = pt % kActChunkVectors;
-    const int64_t row_vectors = static_cast<int64_t>(n) * kActChunkVectors;
-    const uint4* b_base = reinterpret_cast<const uint4*>(p.b_rows) + part;
-    // Row of each of the item's tokens (-1: none), in shared memory after the barriers.
-    const uint32_t rows = empty_w + SW * 8;
-    {
-      int row = -1;
-      if (pt < item.count) {
-        const int slot = item.slot_begin + pt;
-        row = p.b_row_of_slot != nullptr ? p.b_row_of_slot[slot] : slot;
-      }
-      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(rows + pt * 4), "r"(row) : "memory");
-      asm volatile("bar.sync 1, %0;\n" ::"n"(kProducerThreads) : "memory");
-    }
-    int ws = 0, bs = 0;
-    for (int j = 0; j < n + kLag; ++j) {
-      if (j < n) {
-        if (j >= SW) MbarWait(empty_w + 8 * ws, ((j / SW) - 1) & 1);
-        const uint32_t code_stage = code_base + ws * kCodeStage + (4 * pw * kWarpLanes + lane) * 16;
-        const uint4* code = codes + first_tile * tile_codes + j * kWarpLanes + lane;
-        const uint4* spare = codes + j * kWarpLanes + lane;  // tiles past the matrix: tile 0
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          WgCpAsync16(code_stage + k * kWarpLanes * 16, k < valid_tiles ? code : spare);
-          code += tile_codes;
-        }
-        const uint32_t scale_stage = scale_base + ws * kScaleStage;
-#pragma unroll
-        for (int k = 0; k < kScalePer; ++k) {
-          const int idx = pt + k * kProducerThreads;
-          if (idx < kScaleVectors) {
-            const int t = row_block * 16 + idx / kScaleVectorsPerTile;
-            const int tile = t < p.tiles ? t : 0;
-            WgCpAsync16(scale_stage + idx * 16, scales + tile * tile_scales +
-                                                     j * kScaleVectorsPerTile +
-                                                     idx % kScaleVectorsPerTile);
-          }
-        }
-        MbarArriveOnCopies(full_w + 8 * ws);
-        ws = ws == SW - 1 ? 0 : ws + 1;
-      }
-      const int jb = j - kLag;
-      if (jb < 0) continue;
-      if (jb == 0) {
-        if constexpr (!kGemm1) {
-          WaitForPrerequisites();  // B = GEMM1's activations
-          AllowDependents();
-        }
-      }
-      if (jb >= SB) MbarWait(empty_b + 8 * bs, ((jb / SB) - 1) & 1);
-      const uint32_t b_stage = smem_base + bs * kWgStageBytes;
-#pragma unroll 4
-      for (int k = 0; k < kBPer; ++k) {
-        const int token = pt / kActChunkVectors + kTokenStride * k;
-        uint32_t row;
-        LdShared(rows + token * 4, row);
-        if (static_cast<int>(row) >= 0) {
-          WgCpAsync16(b_stage + token * kWgRowBytes + ((part ^ (token & 7)) << 4),
-                      b_base + static_cast<int>(row) * row_vectors + jb * kActChunkVectors);
-        }
-      }
-      MbarArriveOnCopies(full_b + 8 * bs);
-      bs = bs == SB - 1 ? 0 : bs + 1;
-    }
-    if constexpr (!kGemm1) {
-      if (n + kLag <= kLag) {  // no chunks: still take part in the launch protocol
-        WaitForPrerequisites();
-        AllowDependents();
-      }
-    }
-    return;
-  }
-
-  // ---- Consumers.
-  SetMaxRegistersInc<112>();
-  if constexpr (!kGemm1) {
-    WaitForPrerequisites();
-    AllowDependents();
-  }
-  const int wg = warp >> 2, wq = warp & 3;
-  const int g = lane >> 2;
-  const int slot = wg * 4 + wq;
-  const int tile_base = row_block * Cfg::kCtaTiles + slot;
-  float acc[N / 2];
-#pragma unroll
-  for (int e = 0; e < N / 2; ++e) acc[e] = 0.f;
-  uint32_t a[kStepsPerChunk][4];
-  const uint64_t desc_base = SmemDescriptor(smem_base);
-  int ws = 0, bs = 0, prev_bs = 0;
-  uint32_t wphase = 0, bphase = 0;
-  for (int i = 0; i < n; ++i) {
-    MbarWait(full_w + 8 * ws, wphase);
-    uint4 v;
-    Scale sc;
-    const uint32_t code_stage = code_base + ws * kCodeStage;
-    const uint32_t scale_stage = scale_base + ws * kScaleStage;
-    LdShared(code_stage + (slot * kWarpLanes + lane) * 16, v);
-    if constexpr (sizeof(Scale) == 16) {
-      LdShared(scale_stage + (slot * 8 + g) * 16, sc);
-    } else {
-      LdShared(scale_stage + (slot * 8 + g) * 4, sc);
-    }
-    __syncwarp();
-    if (lane == 0) MbarArrive(empty_w + 8 * ws);
-    MbarWait(full_b + 8 * bs, bphase);
-    FenceProxyAsync();
-    const uint64_t stage_desc = desc_base + bs * (kWgStageBytes >> 4);
-#pragma unroll
-    for (int step = 0; step < kStepsPerChunk; ++step) {
-      WgStep<Fmt, N, kGroupsPerChunk>(v, sc, step, a[step], acc, stage_desc);
-    }
-    if (i > 0) {
-      __syncwarp();
-      if (lane == 0) MbarArrive(empty_b + 8 * prev_bs);
-    }
-    prev_bs = bs;
-    if (++ws == SW) ws = 0, wphase ^= 1;
-    if (++bs == SB) bs = 0, bphase ^= 1;
-  }
-  WgmmaWait<0>();
-  if constexpr (kGemm1) {
-    WgEpilogueAct<N>(p, item, tile_base, lane, acc);
-  } else {
-    WgEpilogueY<N>(p, item, tile_base, lane, acc);
-  }
-}
-
 template <class Fmt, bool kGemm1, int V, int N>
 __device__ __forceinline__ void WgRun(const ExpertGemmParams& p, const ExpertItem& item,
                                       int row_block, uint32_t smem_base) {
-  if constexpr (WgConfig<V>::kProducer) {
-    WgBodyProducer<Fmt, kGemm1, V, N>(p, item, row_block, smem_base);
-  } else if constexpr (WgConfig<V>::kSmemWeights) {
+  if constexpr (WgConfig<V>::kSmemWeights) {
     WgBodySmemW<Fmt, kGemm1, V, N>(p, item, row_block, smem_base);
   } else {
     WgBody<Fmt, kGemm1, V, N>(p, item, row_block, smem_base);
@@ -734,14 +493,16 @@ __global__ void __launch_bounds__(WgConfig<V>::kThreads, 1)
     WgRun<Fmt, kGemm1, V, 64>(p, item, row_block, smem_base);
   } else if (item.count <= 96) {
     WgRun<Fmt, kGemm1, V, 96>(p, item, row_block, smem_base);
-  } else {
+  } else if (item.count <= 128) {
     WgRun<Fmt, kGemm1, V, 128>(p, item, row_block, smem_base);
+  } else {
+    WgRun<Fmt, kGemm1, V, 144>(p, item, row_block, smem_base);
   }
 }
 
 using WgKernel = void (*)(ExpertGemmParams, int);
 // [variant][nvfp4][gemm2]
-constexpr int kWgVariants = 4;
+constexpr int kWgVariants = 3;
 struct WgLaunchEntry {
   WgKernel kernel;
   int smem;
@@ -761,7 +522,6 @@ WgLaunchEntry WgEntryOf(int nv, int gemm2) {
 WgLaunchEntry WgLookup(int v, int nv, int gemm2) {
   return v == 1   ? WgEntryOf<1>(nv, gemm2)
          : v == 2 ? WgEntryOf<2>(nv, gemm2)
-         : v == 3 ? WgEntryOf<3>(nv, gemm2)
                   : WgEntryOf<0>(nv, gemm2);
 }
 

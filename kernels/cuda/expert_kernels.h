@@ -146,13 +146,14 @@ inline constexpr int kMaxGemmVariant = 7;
 // ExpertRunner / CUDA backend setting (not a GemmLaunch value): pick the variant per batch from
 // the format and the routes (ExpertRunner::set_gemm_variant; the measured best, NOTES-cuda.md).
 inline constexpr int kAutoGemmVariant = -1;
-// GemmLaunch::token_groups of the wgmma kernel (items of up to 128 tokens).
-inline constexpr int kWgmmaTokenGroups = 16;
+// GemmLaunch::token_groups of the wgmma kernel (items of up to 144 tokens: at 128 about half the
+// slots of a 4096-token batch of problems A and B had a few-token second item, a whole weight pass).
+inline constexpr int kWgmmaTokenGroups = 18;
 
 struct GemmLaunch {
   Fp4Format format = Fp4Format::kMxfp4;
   bool gemm1 = true;
-  // 1, 2, 4 or 8: the mma.sync kernels; 16 (items of up to 128 tokens): the wgmma kernel
+  // 1, 2, 4 or 8: the mma.sync kernels; 18 (items of up to 144 tokens): the wgmma kernel
   // (expert_gemm_wgmma.cu), which reads and writes activations in natural K order.
   int token_groups = 1;
   // Tuning, 0..kMaxGemmVariant. token_groups <= 2: 0, 1, 2 = the weight-streaming kernel

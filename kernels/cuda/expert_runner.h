@@ -121,7 +121,7 @@ class ExpertRunner {
   // batches) -> 6 (deep shared-memory ring, 4-way K split, folded combine); otherwise up to
   // 16-token items -> 7 (ring, one whole tile per warp); token_groups >= 4 -> 0 (tiled).
   void set_gemm_variant(int variant) { variant_ = variant; }
-  // The wgmma kernel (items of up to 128 tokens, expert_gemm_wgmma.cu) runs both GEMMs when the
+  // The wgmma kernel (items of up to 144 tokens, expert_gemm_wgmma.cu) runs both GEMMs when the
   // busiest slot has at least this many tokens; 0 never (the mma.sync kernels, as chosen by the
   // plan and the variant). Default kDefaultWgmmaMinTokens: where the plan would use 64-token
   // tiles (at 512 tokens of problem A, ~16-32 per slot, wgmma and the tiled kernel measured
