@@ -7,7 +7,8 @@
 // hold the input), per-launch time = replay / 4, median of 50 replays. Latency: a graph of one
 // launch, replay timed with events, median of 200 (what a serving step pays for the launch
 // inside its own graph is less: the graph launch overhead is shared), plus back-to-back per-launch
-// time from a graph of 32 launches. Writes JSON.
+// time from a graph of 32 launches. Writes JSON. --formats, --reps and --small narrow a run (for
+// profiling one kernel under ncu).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -18,8 +19,6 @@
 #include <random>
 #include <string>
 #include <vector>
-
-#include "absl/strings/numbers.h"
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -32,8 +31,6 @@
 
 ABSL_FLAG(std::string, out_json, "", "where to write the JSON results");
 ABSL_FLAG(std::string, commit, "unknown", "commit the binary was built from");
-ABSL_FLAG(std::vector<std::string>, variants, {"0"},
-          "kernel variants to time (StagingParams::variant; each format times those it has)");
 ABSL_FLAG(std::vector<std::string>, formats, std::vector<std::string>({"mxfp8", "nvfp4"}),
           "formats to time");
 ABSL_FLAG(int, reps, 50, "graph replays timed at 4096 tokens");
@@ -99,7 +96,7 @@ struct StagingSet {
 
 std::unique_ptr<StagingSet> MakeSet(StagingFormat format, int64_t tokens,
                                     const cuda::DevicePlacement& placement, DeviceBuffer& load,
-                                    DeviceBuffer& hosted, std::mt19937_64& rng, int variant) {
+                                    DeviceBuffer& hosted, std::mt19937_64& rng) {
   auto s = std::make_unique<StagingSet>();
   std::vector<uint16_t> x(tokens * kHidden);
   std::normal_distribution<float> normal(0.f, 1.f);
@@ -117,7 +114,6 @@ std::unique_ptr<StagingSet> MakeSet(StagingFormat format, int64_t tokens,
   CUDA_OK(cudaMemcpy(s->ids.get(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
   StagingParams& p = s->params;
   p.format = format;
-  p.variant = variant;
   p.x = s->x.as<const uint16_t>();
   p.tokens = static_cast<int32_t>(tokens);
   p.hidden_size = static_cast<int32_t>(kHidden);
@@ -198,50 +194,38 @@ int Main() {
   CUDA_OK(cudaMemset(load.get(), 0, kSlots * 8));
   CUDA_OK(cudaMemset(hosted.get(), 1, kSlots));
 
-  std::vector<int> variants;
-  for (const std::string& v : absl::GetFlag(FLAGS_variants)) {
-    int n = 0;
-    if (!absl::SimpleAtoi(v, &n)) {
-      std::fprintf(stderr, "bad --variants entry %s\n", v.c_str());
-      return 2;
-    }
-    variants.push_back(n);
-  }
   const std::vector<std::string> formats = absl::GetFlag(FLAGS_formats);
   nlohmann::json points = nlohmann::json::array();
   for (StagingFormat format : {StagingFormat::kMxfp8, StagingFormat::kNvfp4}) {
     const char* name = format == StagingFormat::kMxfp8 ? "mxfp8" : "nvfp4";
     if (std::find(formats.begin(), formats.end(), name) == formats.end()) continue;
-    for (int variant : variants) {
-      if (variant < 0 || variant >= cuda::StagingVariantCount(format)) continue;
-      std::vector<std::unique_ptr<StagingSet>> big;
-      for (int i = 0; i < 4; ++i) big.push_back(MakeSet(format, 4096, **dp, load, hosted, rng, variant));
-      const double us = TimeLaunches(big, 1, absl::GetFlag(FLAGS_reps), stream);
-      const double bytes = LaunchBytes(format, 4096);
-      const double rate = bytes / (us * 1e-6);
-      std::printf("%s v%d 4096 x %lld + remap + load: %8.2f us, %.1f MB, %.3f TB/s = %.1f%% of copy "
-                  "bandwidth (target >= 80%%) %s\n",
-                  name, variant, static_cast<long long>(kHidden), us, bytes / 1e6, rate / 1e12,
-                  100 * rate / copy_bw, rate >= 0.8 * copy_bw ? "MET" : "missed");
-      points.push_back({{"format", name}, {"variant", variant}, {"tokens", 4096}, {"hidden", kHidden},
-                        {"median_us_per_launch", us}, {"bytes", bytes},
-                        {"TBps", rate / 1e12}, {"fraction_of_copy_bw", rate / copy_bw},
-                        {"target_fraction", 0.8}});
-      big.clear();
-      if (!absl::GetFlag(FLAGS_small)) continue;
-      for (int64_t tokens : {1, 8, 64}) {
-        std::vector<std::unique_ptr<StagingSet>> one;
-        one.push_back(MakeSet(format, tokens, **dp, load, hosted, rng, variant));
-        const double single = TimeLaunches(one, 1, 200, stream);
-        const double chained = TimeLaunches(one, 32, 50, stream);
-        std::printf("%s v%d T=%2lld: graph of one launch %.2f us (target <= 8 us) %s; back-to-back "
-                    "%.2f us per launch\n",
-                    name, variant, static_cast<long long>(tokens), single,
-                    single <= 8 ? "MET" : "missed", chained);
-        points.push_back({{"format", name}, {"variant", variant}, {"tokens", tokens},
-                          {"hidden", kHidden}, {"graph_of_one_launch_median_us", single},
-                          {"back_to_back_us_per_launch", chained}, {"target_us", 8}});
-      }
+    std::vector<std::unique_ptr<StagingSet>> big;
+    for (int i = 0; i < 4; ++i) big.push_back(MakeSet(format, 4096, **dp, load, hosted, rng));
+    const double us = TimeLaunches(big, 1, absl::GetFlag(FLAGS_reps), stream);
+    const double bytes = LaunchBytes(format, 4096);
+    const double rate = bytes / (us * 1e-6);
+    std::printf("%s 4096 x %lld + remap + load: %8.2f us, %.1f MB, %.3f TB/s = %.1f%% of copy "
+                "bandwidth (target >= 80%%) %s\n",
+                name, static_cast<long long>(kHidden), us, bytes / 1e6, rate / 1e12,
+                100 * rate / copy_bw, rate >= 0.8 * copy_bw ? "MET" : "missed");
+    points.push_back({{"format", name}, {"tokens", 4096}, {"hidden", kHidden},
+                      {"median_us_per_launch", us}, {"bytes", bytes},
+                      {"TBps", rate / 1e12}, {"fraction_of_copy_bw", rate / copy_bw},
+                      {"target_fraction", 0.8}});
+    big.clear();
+    if (!absl::GetFlag(FLAGS_small)) continue;
+    for (int64_t tokens : {1, 8, 64}) {
+      std::vector<std::unique_ptr<StagingSet>> one;
+      one.push_back(MakeSet(format, tokens, **dp, load, hosted, rng));
+      const double single = TimeLaunches(one, 1, 200, stream);
+      const double chained = TimeLaunches(one, 32, 50, stream);
+      std::printf("%s T=%2lld: graph of one launch %.2f us (target <= 8 us) %s; back-to-back "
+                  "%.2f us per launch\n",
+                  name, static_cast<long long>(tokens), single, single <= 8 ? "MET" : "missed",
+                  chained);
+      points.push_back({{"format", name}, {"tokens", tokens}, {"hidden", kHidden},
+                        {"graph_of_one_launch_median_us", single},
+                        {"back_to_back_us_per_launch", chained}, {"target_us", 8}});
     }
   }
   nlohmann::json out = {

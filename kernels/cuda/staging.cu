@@ -6,9 +6,9 @@
 //
 // Grid: the remap blocks first (one thread per route: EPLB remap and load recording, done while
 // the quantization blocks stream), then the quantization blocks.
-// MXFP8: each thread owns kChunks chunks of 8 elements (16-byte loads, all issued before any
-// arithmetic), one block-sized stride apart so that every load instruction of a warp reads 512
-// contiguous bytes; four lanes form a group of 32, sixteen lanes a packed scale word.
+// MXFP8: each thread owns kMxfp8ThreadChunks chunks of 8 elements (16-byte loads, all issued
+// before any arithmetic), one block-sized stride apart so that every load instruction of a warp
+// reads 512 contiguous bytes; four lanes form a group of 32, sixteen lanes a packed scale word.
 // NVFP4: one block per token row (the token scale needs the whole row's amax first). A warp covers
 // 128 chunks (64 groups of 16) of the row per tile with four coalesced loads per lane; lanes 2p
 // and 2p+1 then swap half-groups so that each lane holds two whole groups. The row stays in
@@ -30,9 +30,14 @@ namespace {
 
 constexpr unsigned kFull = 0xFFFFFFFFu;
 constexpr int kMxfp8Threads = kStagingThreads;
-// NVFP4: a block covers up to 4096 chunks (32768 elements) of a row in one tile; longer rows
-// loop over tiles (and read the row twice).
-constexpr int kNvfp4MaxRowChunks = 4096;
+// MXFP8 chunks per thread: 2 measured best on the H200 (1: the same, 4 and 8: slower).
+constexpr int kMxfp8ThreadChunks = 2;
+// NVFP4: groups of 16 per lane and row tile (two 16-byte loads each), so a warp covers 128
+// chunks and a block of up to 32 warps 32768 elements of a row; longer rows loop over tiles
+// (and read the row twice).
+constexpr int kNvfp4LaneGroups = 2;
+constexpr int kNvfp4WarpChunks = 64 * kNvfp4LaneGroups;
+constexpr int kNvfp4MaxThreads = 1024;
 // MXFP8 element codes and E4M3 block scales of NVFP4 through the hardware conversion
 // (cvt.rn.satfinite.e4m3x2.f32: round half to even, saturate to +-448 (infinities too),
 // NaN -> 0x7F), which gives the bytes of FloatToE4m3; staging_cuda_test checks it. false: the
@@ -52,7 +57,8 @@ __device__ __forceinline__ float Bf16At(const uint4& v, int i) {
 
 __device__ __forceinline__ uint32_t AbsBf16x2(uint32_t w) { return w & 0x7FFF7FFFu; }
 
-// The same through abs.bf16x2 (compiled to an HFMA2 with |x|: the FMA pipe instead of the ALU).
+// The same through abs.bf16x2, which ptxas turns into an HFMA2 with |x|: the FMA pipe instead of
+// the ALU pipe, which limits the NVFP4 encode.
 __device__ __forceinline__ uint32_t AbsBf16x2Fma(uint32_t w) {
   uint32_t d;
   asm("abs.bf16x2 %0, %1;" : "=r"(d) : "r"(w));
@@ -94,19 +100,8 @@ __device__ __forceinline__ uint32_t ChunkAbsMax(const uint4& v) {
   return MaxBf16x2(MaxBf16x2(AbsBf16x2(v.x), AbsBf16x2(v.y)), MaxBf16x2(AbsBf16x2(v.z), AbsBf16x2(v.w)));
 }
 
-// 16-byte load of data read once.
-template <bool kL2Prefetch>
-__device__ __forceinline__ uint4 LoadOnce(const uint4* p) {
-  if constexpr (kL2Prefetch) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
-  } else {
-    return __ldcs(p);
-  }
-}
+// 16-byte load of data read once (evict-first).
+__device__ __forceinline__ uint4 LoadOnce(const uint4* p) { return __ldcs(p); }
 
 // ---- E4M3.
 
@@ -184,7 +179,6 @@ __device__ __forceinline__ uint32_t Mxfp8ScaleExponent(float amax) {
 
 // Quantizes chunk `chunk` (8 elements of group chunk / 4), raw its BF16 values. All 32 lanes of
 // the warp call it together (shuffles); chunks at or past `chunks` write nothing.
-template <bool kStreamingStore = true>
 __device__ __forceinline__ void QuantizeMxfp8Chunk(const StagingParams& p, const uint4& raw,
                                                    int64_t chunk, int64_t chunks) {
   float amax = LargerHalf(ChunkAbsMax(raw));
@@ -203,18 +197,12 @@ __device__ __forceinline__ void QuantizeMxfp8Chunk(const StagingParams& p, const
   const uint32_t word = __shfl_sync(kFull, e, span) | __shfl_sync(kFull, e, span + 4) << 8 |
                         __shfl_sync(kFull, e, span + 8) << 16 | __shfl_sync(kFull, e, span + 12) << 24;
   if (chunk >= chunks) return;
-  const uint2 codes = make_uint2(pairs[0] | pairs[1] << 16, pairs[2] | pairs[3] << 16);
-  if constexpr (kStreamingStore) {
-    __stcs(reinterpret_cast<uint2*>(p.q) + chunk, codes);
-  } else {
-    reinterpret_cast<uint2*>(p.q)[chunk] = codes;
-  }
+  __stcs(reinterpret_cast<uint2*>(p.q) + chunk, make_uint2(pairs[0] | pairs[1] << 16, pairs[2] | pairs[3] << 16));
   if ((lane & 15) == 0) p.scales[chunk / 16] = static_cast<int32_t>(word);
 }
 
 // Chunks are numbered over the whole [T, H] input (H / 8 per row, a multiple of 16, so every
 // aligned 16-lane span is one scale word of one row and is valid or invalid as a whole).
-template <int kChunks, bool kL2Prefetch>
 __global__ void __launch_bounds__(kMxfp8Threads) StageMxfp8Kernel(const StagingParams p,
                                                                   int remap_blocks) {
   if (static_cast<int>(blockIdx.x) < remap_blocks) {
@@ -223,40 +211,17 @@ __global__ void __launch_bounds__(kMxfp8Threads) StageMxfp8Kernel(const StagingP
   }
   const int64_t chunks = static_cast<int64_t>(p.tokens) * p.hidden_size / 8;
   const int64_t first =
-      static_cast<int64_t>(blockIdx.x - remap_blocks) * kMxfp8Threads * kChunks + threadIdx.x;
+      static_cast<int64_t>(blockIdx.x - remap_blocks) * kMxfp8Threads * kMxfp8ThreadChunks + threadIdx.x;
   const uint4* x = reinterpret_cast<const uint4*>(p.x);
-  uint4 raw[kChunks];
+  uint4 raw[kMxfp8ThreadChunks];
 #pragma unroll
-  for (int j = 0; j < kChunks; ++j) {
+  for (int j = 0; j < kMxfp8ThreadChunks; ++j) {
     const int64_t c = first + j * kMxfp8Threads;
-    raw[j] = c < chunks ? LoadOnce<kL2Prefetch>(x + c) : make_uint4(0, 0, 0, 0);
+    raw[j] = c < chunks ? LoadOnce(x + c) : make_uint4(0, 0, 0, 0);
   }
 #pragma unroll
-  for (int j = 0; j < kChunks; ++j) QuantizeMxfp8Chunk(p, raw[j], first + j * kMxfp8Threads, chunks);
-}
-
-// Persistent variant: gridDim x 256 threads walk the chunks with a grid-sized stride, the next
-// two chunks of a thread always in flight while it encodes the current one.
-template <bool kStreamingStore>
-__global__ void __launch_bounds__(kMxfp8Threads) StageMxfp8PersistentKernel(const StagingParams p,
-                                                                            int remap_blocks) {
-  if (static_cast<int>(blockIdx.x) < remap_blocks) {
-    RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
-    return;
-  }
-  const int64_t chunks = static_cast<int64_t>(p.tokens) * p.hidden_size / 8;
-  const int64_t stride = static_cast<int64_t>(gridDim.x - remap_blocks) * kMxfp8Threads;
-  const uint4* x = reinterpret_cast<const uint4*>(p.x);
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  int64_t c = static_cast<int64_t>(blockIdx.x - remap_blocks) * kMxfp8Threads + threadIdx.x;
-  uint4 a = c < chunks ? LoadOnce<false>(x + c) : zero;
-  uint4 b = c + stride < chunks ? LoadOnce<false>(x + c + stride) : zero;
-  // c - lane is the same for the whole warp, so the loop and the shuffles inside stay uniform.
-  for (; c - (threadIdx.x & 31) < chunks; c += stride) {
-    const uint4 current = a;
-    a = b;
-    b = c + 2 * stride < chunks ? LoadOnce<false>(x + c + 2 * stride) : zero;
-    QuantizeMxfp8Chunk<kStreamingStore>(p, current, c, chunks);
+  for (int j = 0; j < kMxfp8ThreadChunks; ++j) {
+    QuantizeMxfp8Chunk(p, raw[j], first + j * kMxfp8Threads, chunks);
   }
 }
 
@@ -298,10 +263,10 @@ __device__ __forceinline__ E2m1Thresholds GroupThresholds(float unit) {
 // E2M1 codes of the two BF16 values of `x` (elements j and j + 4 of a chunk), placed at bits
 // 4j..4j+3 of each half and OR-ed into `out`. Binary search: m2 = code >= 4, m1 = code >= 2 or 6,
 // m0 = the last bit; the sign bit only where the code is nonzero (-0 encodes as 0).
-template <int kJ, bool kAbsFma>
+template <int kJ>
 __device__ __forceinline__ uint32_t EncodeE2m1Pair(uint32_t out, uint32_t x, const E2m1Thresholds& u) {
   constexpr uint32_t kBit = 0x00010001u << (4 * kJ);
-  const uint32_t a = kAbsFma ? AbsBf16x2Fma(x) : AbsBf16x2(x);
+  const uint32_t a = AbsBf16x2Fma(x);
   const uint32_t m2 = GeMaskBf16x2(a, u.v[3]);
   const uint32_t odd_high = Select(m2, u.v[6], u.v[2]);
   const uint32_t odd_low = Select(m2, u.v[4], u.v[0]);
@@ -326,55 +291,40 @@ __device__ __forceinline__ ChunkPairs RePair(const uint4& c) {
 }
 
 // Packed E2M1 codes of one chunk (element j in nibble j).
-template <bool kAbsFma>
 __device__ __forceinline__ uint32_t EncodeE2m1Chunk(const ChunkPairs& c, const E2m1Thresholds& u) {
   uint32_t out = 0;
-  out = EncodeE2m1Pair<0, kAbsFma>(out, c.w[0], u);
-  out = EncodeE2m1Pair<1, kAbsFma>(out, c.w[1], u);
-  out = EncodeE2m1Pair<2, kAbsFma>(out, c.w[2], u);
-  return EncodeE2m1Pair<3, kAbsFma>(out, c.w[3], u);
+  out = EncodeE2m1Pair<0>(out, c.w[0], u);
+  out = EncodeE2m1Pair<1>(out, c.w[1], u);
+  out = EncodeE2m1Pair<2>(out, c.w[2], u);
+  return EncodeE2m1Pair<3>(out, c.w[3], u);
 }
 
-// What a lane holds of one warp tile: kGroups groups, each as this lane's chunk and the partner's.
-template <int kGroups>
+// What a lane holds of one warp tile: kNvfp4LaneGroups groups, each as this lane's chunk and its
+// partner's.
 struct Nvfp4LaneTile {
-  ChunkPairs own[kGroups], other[kGroups];
-  float group_max[kGroups];  // NaN-free
-  int group[kGroups];        // group index within the row
+  ChunkPairs own[kNvfp4LaneGroups], other[kNvfp4LaneGroups];
+  float group_max[kNvfp4LaneGroups];  // NaN-free
+  int group[kNvfp4LaneGroups];        // group index within the row
 };
 
-// Raw loads of a lane for one warp tile: lane i of the warp whose tile starts at chunk `tile`
-// reads chunks tile + 32j + i (j = 0 .. 2 kGroups - 1; every load instruction of the warp reads
-// 512 contiguous bytes).
-template <int kGroups>
-struct Nvfp4RawTile {
-  uint4 v[2 * kGroups];
-};
-
-template <int kGroups, bool kL2Prefetch>
-__device__ __forceinline__ Nvfp4RawTile<kGroups> LoadNvfp4Raw(const uint4* row, int tile, int chunks) {
-  const int lane = threadIdx.x & 31;
-  Nvfp4RawTile<kGroups> raw;
-#pragma unroll
-  for (int j = 0; j < 2 * kGroups; ++j) {
-    const int c = tile + 32 * j + lane;
-    raw.v[j] = c < chunks ? LoadOnce<kL2Prefetch>(row + c) : make_uint4(0, 0, 0, 0);
-  }
-  return raw;
-}
-
-// Exchange stage: chunk 32j + i is half (i & 1) of group 16j + i / 2. Lanes 2p + b keep their
-// loads j = 2k + b and swap the others with the partner, so that they hold groups 32k + 16b + p.
-template <int kGroups>
-__device__ __forceinline__ Nvfp4LaneTile<kGroups> ExchangeNvfp4Halves(const Nvfp4RawTile<kGroups>& raw,
-                                                                      int tile) {
+// Load and exchange stage. Lane i of the warp whose tile starts at chunk `tile` reads chunks
+// tile + 32j + i (every load instruction of the warp reads 512 contiguous bytes); chunk 32j + i
+// is half (i & 1) of group 16j + i / 2. Lanes 2p + b keep their loads j = 2k + b and swap the
+// others with the partner, so that they hold groups 32k + 16b + p whole. Called by whole warps.
+__device__ __forceinline__ Nvfp4LaneTile LoadNvfp4Tile(const uint4* row, int tile, int chunks) {
   const int lane = threadIdx.x & 31;
   const bool odd = (lane & 1) != 0;
-  Nvfp4LaneTile<kGroups> r;
+  uint4 v[2 * kNvfp4LaneGroups];
 #pragma unroll
-  for (int k = 0; k < kGroups; ++k) {
-    const uint4& even_load = raw.v[2 * k];
-    const uint4& odd_load = raw.v[2 * k + 1];
+  for (int j = 0; j < 2 * kNvfp4LaneGroups; ++j) {
+    const int c = tile + 32 * j + lane;
+    v[j] = c < chunks ? LoadOnce(row + c) : make_uint4(0, 0, 0, 0);
+  }
+  Nvfp4LaneTile r;
+#pragma unroll
+  for (int k = 0; k < kNvfp4LaneGroups; ++k) {
+    const uint4& even_load = v[2 * k];
+    const uint4& odd_load = v[2 * k + 1];
     const uint4 own = odd ? odd_load : even_load;
     const uint4 send = odd ? even_load : odd_load;
     const uint4 other = make_uint4(__shfl_xor_sync(kFull, send.x, 1), __shfl_xor_sync(kFull, send.y, 1),
@@ -388,26 +338,16 @@ __device__ __forceinline__ Nvfp4LaneTile<kGroups> ExchangeNvfp4Halves(const Nvfp
   return r;
 }
 
-template <int kGroups, bool kL2Prefetch>
-__device__ __forceinline__ Nvfp4LaneTile<kGroups> LoadNvfp4Tile(const uint4* row, int tile,
-                                                                int chunks) {
-  return ExchangeNvfp4Halves<kGroups>(LoadNvfp4Raw<kGroups, kL2Prefetch>(row, tile, chunks), tile);
-}
-
-template <int kGroups>
-__device__ __forceinline__ float TileMax(const Nvfp4LaneTile<kGroups>& r) {
+__device__ __forceinline__ float TileMax(const Nvfp4LaneTile& r) {
   float m = r.group_max[0];
 #pragma unroll
-  for (int k = 1; k < kGroups; ++k) m = fmaxf(m, r.group_max[k]);
+  for (int k = 1; k < kNvfp4LaneGroups; ++k) m = fmaxf(m, r.group_max[k]);
   return m;
 }
 
-// Largest of every thread's `v` (block-wide; every thread gets it). One barrier: consecutive calls
-// must alternate `buffer` (a warp writes buffer b of call i + 2 only after every warp has passed
-// the barrier of call i + 1, that is, after every warp has read buffer b of call i).
-__device__ __forceinline__ float BlockMax(float v, int buffer) {
-  __shared__ float partials[2][32];
-  float* partial = partials[buffer];
+// Largest of every thread's `v` (block-wide; every thread gets it). One barrier; call once.
+__device__ __forceinline__ float BlockMax(float v) {
+  __shared__ float partial[kNvfp4MaxThreads / 32];
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
@@ -426,22 +366,21 @@ struct Nvfp4RowOut {
   int groups;       // a multiple of 4: scale words are valid or invalid as a whole
 };
 
-// Encode and store stage for a lane's groups. All lanes of the warp call it.
-template <bool kAbsFma = false, int kGroups>
-__device__ __forceinline__ void QuantizeNvfp4Tile(const Nvfp4RowOut& out, const Nvfp4LaneTile<kGroups>& r,
+// Encode and store stage for a lane's groups. Called by whole warps.
+__device__ __forceinline__ void QuantizeNvfp4Tile(const Nvfp4RowOut& out, const Nvfp4LaneTile& r,
                                                   float x_scale, float sf_denominator) {
   const int lane = threadIdx.x & 31;
   const bool odd = (lane & 1) != 0;
 #pragma unroll
-  for (int k = 0; k < kGroups; ++k) {
+  for (int k = 0; k < kNvfp4LaneGroups; ++k) {
     const uint32_t sf_bits = E4m3x2(__fdiv_rn(r.group_max[k], sf_denominator), 0.f) & 0xFFu;
     const float unit = __fmul_rn(E4m3Decode(sf_bits), x_scale);
     // unit is 0 or NaN exactly when the CPU writes code 0 for every element: sf = 0, or an
     // infinite token scale (0 * inf, or NaN sf from inf / inf); otherwise it is at least 2^-149.
     const uint32_t keep = unit > 0.f ? kFull : 0u;
     const E2m1Thresholds u = GroupThresholds(unit);
-    const uint32_t own = EncodeE2m1Chunk<kAbsFma>(r.own[k], u) & keep;
-    const uint32_t other = EncodeE2m1Chunk<kAbsFma>(r.other[k], u) & keep;
+    const uint32_t own = EncodeE2m1Chunk(r.own[k], u) & keep;
+    const uint32_t other = EncodeE2m1Chunk(r.other[k], u) & keep;
     // Scale byte of group g in byte g % 4 of word g / 4: lanes 2p + b with p = 4q .. 4q + 3.
     uint32_t word = sf_bits << (8 * ((lane >> 1) & 3));
     word |= __shfl_xor_sync(kFull, word, 2);
@@ -453,15 +392,9 @@ __device__ __forceinline__ void QuantizeNvfp4Tile(const Nvfp4RowOut& out, const 
   }
 }
 
-// kGroups groups per lane and tile (2 kGroups loads in flight per lane).
-template <int kGroups>
-constexpr int Nvfp4MaxThreads() {
-  return kNvfp4MaxRowChunks / (2 * kGroups);
-}
-
-template <int kGroups, bool kL2Prefetch>
-__global__ void __launch_bounds__(Nvfp4MaxThreads<kGroups>()) StageNvfp4Kernel(const StagingParams p,
-                                                                                 int remap_blocks) {
+// Block size: one warp per kNvfp4WarpChunks chunks of the row, at most kNvfp4MaxThreads.
+__global__ void __launch_bounds__(kNvfp4MaxThreads) StageNvfp4Kernel(const StagingParams p,
+                                                                     int remap_blocks) {
   if (static_cast<int>(blockIdx.x) < remap_blocks) {
     RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
     return;
@@ -469,132 +402,49 @@ __global__ void __launch_bounds__(Nvfp4MaxThreads<kGroups>()) StageNvfp4Kernel(c
   const int64_t t = blockIdx.x - remap_blocks;
   const int chunks = p.hidden_size / 8;
   const uint4* row = reinterpret_cast<const uint4*>(p.x) + t * chunks;
-  const int tile_chunks = static_cast<int>(blockDim.x) * 2 * kGroups;
-  const int warp_tile = static_cast<int>(threadIdx.x / 32) * 64 * kGroups;
-  const Nvfp4LaneTile<kGroups> first = LoadNvfp4Tile<kGroups, kL2Prefetch>(row, warp_tile, chunks);
+  const int tile_chunks = static_cast<int>(blockDim.x / 32) * kNvfp4WarpChunks;
+  const int warp_tile = static_cast<int>(threadIdx.x / 32) * kNvfp4WarpChunks;
+  const Nvfp4LaneTile first = LoadNvfp4Tile(row, warp_tile, chunks);
   float amax = TileMax(first);
   for (int base = tile_chunks; base < chunks; base += tile_chunks) {
-    amax = fmaxf(amax, TileMax(LoadNvfp4Tile<kGroups, kL2Prefetch>(row, base + warp_tile, chunks)));
+    amax = fmaxf(amax, TileMax(LoadNvfp4Tile(row, base + warp_tile, chunks)));
   }
-  const float x_scale = __fdiv_rn(fmaxf(BlockMax(amax, 0), FLT_MIN), 2688.f);
+  const float x_scale = __fdiv_rn(fmaxf(BlockMax(amax), FLT_MIN), 2688.f);
   if (threadIdx.x == 0) p.token_scale[t] = x_scale;
   const float sf_denominator = __fmul_rn(6.f, x_scale);
   const Nvfp4RowOut out = {reinterpret_cast<uint2*>(p.q + t * (chunks * 4)),
                            p.scales + t * (chunks / 8), chunks / 2};
   QuantizeNvfp4Tile(out, first, x_scale, sf_denominator);
   for (int base = tile_chunks; base < chunks; base += tile_chunks) {
-    QuantizeNvfp4Tile(out, LoadNvfp4Tile<kGroups, kL2Prefetch>(row, base + warp_tile, chunks), x_scale,
-                      sf_denominator);
+    QuantizeNvfp4Tile(out, LoadNvfp4Tile(row, base + warp_tile, chunks), x_scale, sf_denominator);
   }
-}
-
-// Persistent variant: gridDim blocks walk the rows with a grid-sized stride; the first tile of the
-// next row is loaded (into registers) before the current row is encoded, so loads stay in flight
-// while the block computes.
-template <int kGroups, int kMaxThreads, int kMinBlocks, bool kAbsFma = false>
-__global__ void __launch_bounds__(kMaxThreads, kMinBlocks) StageNvfp4PersistentKernel(
-    const StagingParams p, int remap_blocks) {
-  if (static_cast<int>(blockIdx.x) < remap_blocks) {
-    RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
-    return;
-  }
-  const int chunks = p.hidden_size / 8;
-  const uint4* x = reinterpret_cast<const uint4*>(p.x);
-  const int tile_chunks = static_cast<int>(blockDim.x) * 2 * kGroups;
-  const int warp_tile = static_cast<int>(threadIdx.x / 32) * 64 * kGroups;
-  const int64_t stride = gridDim.x - remap_blocks;
-  int64_t t = blockIdx.x - remap_blocks;  // < tokens: the grid has at most one block per row
-  Nvfp4RawTile<kGroups> next = LoadNvfp4Raw<kGroups, false>(x + t * chunks, warp_tile, chunks);
-  for (int iteration = 0; t < p.tokens; t += stride, ++iteration) {
-    const uint4* row = x + t * chunks;
-    const Nvfp4LaneTile<kGroups> first = ExchangeNvfp4Halves<kGroups>(next, warp_tile);
-    if (t + stride < p.tokens) next = LoadNvfp4Raw<kGroups, false>(row + stride * chunks, warp_tile, chunks);
-    float amax = TileMax(first);
-    for (int base = tile_chunks; base < chunks; base += tile_chunks) {
-      amax = fmaxf(amax, TileMax(LoadNvfp4Tile<kGroups, false>(row, base + warp_tile, chunks)));
-    }
-    const float x_scale = __fdiv_rn(fmaxf(BlockMax(amax, iteration & 1), FLT_MIN), 2688.f);
-    if (threadIdx.x == 0) p.token_scale[t] = x_scale;
-    const float sf_denominator = __fmul_rn(6.f, x_scale);
-    const Nvfp4RowOut out = {reinterpret_cast<uint2*>(p.q + t * (chunks * 4)),
-                             p.scales + t * (chunks / 8), chunks / 2};
-    QuantizeNvfp4Tile<kAbsFma>(out, first, x_scale, sf_denominator);
-    for (int base = tile_chunks; base < chunks; base += tile_chunks) {
-      QuantizeNvfp4Tile<kAbsFma>(out, LoadNvfp4Tile<kGroups, false>(row, base + warp_tile, chunks), x_scale,
-                                 sf_denominator);
-    }
-  }
-}
-
-// ---- Launch: runtime variant -> template instance.
-
-using StagingKernel = void (*)(const StagingParams, int);
-
-struct KernelChoice {
-  StagingKernel kernel;
-  int chunks_per_thread;  // MXFP8: per thread (non-persistent); NVFP4: per lane and tile
-  int max_threads;        // NVFP4: block size limit (a block covers a row tile)
-  bool persistent;        // grid of at most the blocks that fit on the device at once
-};
-
-constexpr KernelChoice kMxfp8Kernels[] = {
-    {StageMxfp8PersistentKernel<true>, 1, kMxfp8Threads, true},
-    {StageMxfp8Kernel<2, false>, 2, kMxfp8Threads, false},
-    {StageMxfp8PersistentKernel<false>, 1, kMxfp8Threads, true},
-    {StageMxfp8Kernel<1, false>, 1, kMxfp8Threads, false},
-    {StageMxfp8Kernel<4, false>, 4, kMxfp8Threads, false},
-};
-constexpr KernelChoice kNvfp4Kernels[] = {
-    {StageNvfp4PersistentKernel<2, 256, 3>, 4, 256, true},
-    {StageNvfp4Kernel<2, false>, 4, 1024, false},
-    {StageNvfp4PersistentKernel<1, 512, 2>, 2, 512, true},
-    {StageNvfp4PersistentKernel<2, 256, 4>, 4, 256, true},
-    {StageNvfp4PersistentKernel<2, 256, 3, true>, 4, 256, true},
-};
-
-// Blocks of `threads` that fit on the device at once (persistent grids).
-int ResidentBlocks(StagingKernel kernel, int threads) {
-  int device = 0, sms = 0, per_sm = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0) != cudaSuccess) {
-    return 1;
-  }
-  return std::max(sms * per_sm, 1);
 }
 
 }  // namespace
 
-int StagingVariantCount(StagingFormat format) {
-  return format == StagingFormat::kNvfp4 ? static_cast<int>(sizeof(kNvfp4Kernels) / sizeof(KernelChoice))
-                                         : static_cast<int>(sizeof(kMxfp8Kernels) / sizeof(KernelChoice));
-}
-
 cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
-  if (p.variant < 0 || p.variant >= StagingVariantCount(p.format)) return cudaErrorInvalidValue;
   const bool nvfp4 = p.format == StagingFormat::kNvfp4;
-  const KernelChoice& choice = nvfp4 ? kNvfp4Kernels[p.variant] : kMxfp8Kernels[p.variant];
   const bool quantize = p.x != nullptr && p.tokens > 0;
   int threads = kMxfp8Threads;
   int64_t quant_blocks = 0;
   if (nvfp4) {
-    // One warp per 32 x chunks_per_thread chunks of the row (longer rows loop over tiles).
-    const int warp_chunks = 32 * choice.chunks_per_thread;
-    const int warps = (p.hidden_size / 8 + warp_chunks - 1) / warp_chunks;
-    threads = 32 * std::clamp(warps, 1, choice.max_threads / 32);
+    const int warps = (p.hidden_size / 8 + kNvfp4WarpChunks - 1) / kNvfp4WarpChunks;
+    threads = 32 * std::min(std::max(warps, 1), kNvfp4MaxThreads / 32);
     if (quantize) quant_blocks = p.tokens;
   } else if (quantize) {
     const int64_t chunks = static_cast<int64_t>(p.tokens) * p.hidden_size / 8;
-    const int64_t per_block = static_cast<int64_t>(kMxfp8Threads) * choice.chunks_per_thread;
+    const int64_t per_block = static_cast<int64_t>(kMxfp8Threads) * kMxfp8ThreadChunks;
     quant_blocks = (chunks + per_block - 1) / per_block;
-  }
-  if (choice.persistent && quant_blocks > 0) {
-    quant_blocks = std::min<int64_t>(quant_blocks, ResidentBlocks(choice.kernel, threads));
   }
   const int64_t routes = p.topk_ids != nullptr ? static_cast<int64_t>(p.tokens) * p.top_k : 0;
   const int remap_blocks = static_cast<int>((routes + threads - 1) / threads);
   if (quant_blocks + remap_blocks == 0) return cudaSuccess;
-  choice.kernel<<<static_cast<unsigned>(quant_blocks + remap_blocks), threads, 0, stream>>>(p, remap_blocks);
+  const dim3 grid(static_cast<unsigned>(quant_blocks + remap_blocks));
+  if (nvfp4) {
+    StageNvfp4Kernel<<<grid, threads, 0, stream>>>(p, remap_blocks);
+  } else {
+    StageMxfp8Kernel<<<grid, threads, 0, stream>>>(p, remap_blocks);
+  }
   return cudaGetLastError();
 }
 

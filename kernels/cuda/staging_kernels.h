@@ -50,16 +50,9 @@ struct StagingParams {
   const uint8_t* hosted = nullptr;     // [load_size] or null
   int32_t load_size = 0;
   int32_t num_unpadded = 0;
-
-  // Kernel variant (tests and benchmarks): 0 = the default, 1 .. StagingVariantCount(format) - 1
-  // the alternatives listed in staging.cu. All give the same bytes.
-  int32_t variant = 0;
 };
 
 inline constexpr int kStagingThreads = 256;
-
-// Number of kernel variants of `format` (StagingParams::variant).
-int StagingVariantCount(StagingFormat format);
 
 // Enqueues the fused staging kernel (one launch). REQUIRES: the Params are consistent (see
 // staging_runner.h, which checks them).

@@ -80,9 +80,6 @@ absl::StatusOr<std::unique_ptr<DevicePlacement>> UploadPlacement(const LayerPlac
 
 absl::Status EnqueueStaging(const StagingParams& p, cudaStream_t stream) {
   if (p.tokens < 0) return absl::InvalidArgumentError("staging: negative token count");
-  if (p.variant < 0 || p.variant >= StagingVariantCount(p.format)) {
-    return absl::InvalidArgumentError(absl::StrCat("staging: no kernel variant ", p.variant));
-  }
   if (absl::Status s = CheckQuantization(p); !s.ok()) return s;
   if (absl::Status s = CheckRemap(p); !s.ok()) return s;
   return CudaStatus(LaunchStaging(p, stream), "staging kernel launch");

@@ -36,7 +36,7 @@ struct DevicePlacement {
 // Copies the tables to the current device (synchronously).
 absl::StatusOr<std::unique_ptr<DevicePlacement>> UploadPlacement(const LayerPlacement& placement);
 
-// INVALID_ARGUMENT for inconsistent Params (an unknown variant, missing outputs, hidden size not a multiple of 128
+// INVALID_ARGUMENT for inconsistent Params (missing outputs, hidden size not a multiple of 128
 // (MXFP8) or 64 (NVFP4), num_unpadded outside [0, tokens], negative sizes); otherwise enqueues one
 // launch on `stream` and returns its launch status. Only pointer presence is checked, not sizes.
 [[nodiscard]] absl::Status EnqueueStaging(const StagingParams& p, cudaStream_t stream);
