@@ -45,7 +45,9 @@ constexpr int kNvfp4MaxThreads = 1024;
 constexpr bool kHardwareE4m3 = true;
 
 // 2^n for n in [-126, 127].
-__device__ __forceinline__ float Pow2(int n) { return __uint_as_float(static_cast<uint32_t>(n + 127) << 23); }
+__device__ __forceinline__ float Pow2(int n) {
+  return __uint_as_float(static_cast<uint32_t>(n + 127) << 23);
+}
 
 // Element i (0..7) of eight BF16 values in a uint4, as fp32.
 __device__ __forceinline__ float Bf16At(const uint4& v, int i) {
@@ -97,7 +99,8 @@ __device__ __forceinline__ float LargerHalf(uint32_t m) {
 
 // Largest magnitude of the eight BF16 values of a chunk (a bf16x2: one per half).
 __device__ __forceinline__ uint32_t ChunkAbsMax(const uint4& v) {
-  return MaxBf16x2(MaxBf16x2(AbsBf16x2(v.x), AbsBf16x2(v.y)), MaxBf16x2(AbsBf16x2(v.z), AbsBf16x2(v.w)));
+  return MaxBf16x2(MaxBf16x2(AbsBf16x2(v.x), AbsBf16x2(v.y)),
+                   MaxBf16x2(AbsBf16x2(v.z), AbsBf16x2(v.w)));
 }
 
 // 16-byte load of data read once (evict-first).
@@ -131,13 +134,15 @@ __device__ __forceinline__ uint32_t E4m3x2(float x, float y) {
 // E4m3ToFloat of formats.cc (every E4M3 value is exact in fp16).
 __device__ __forceinline__ float E4m3Decode(uint32_t bits) {
   if constexpr (kHardwareE4m3) {
-    return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(bits), __NV_E4M3)));
+    return __half2float(
+        __half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(bits), __NV_E4M3)));
   } else {
     if ((bits & 0x7Fu) == 0x7Fu) return __uint_as_float(0x7FC00000u);
     const int exponent = (bits >> 3) & 0xF;
     const int mantissa = bits & 0x7;
-    const float magnitude = exponent == 0 ? __fmul_rn(static_cast<float>(mantissa), Pow2(-9))
-                                          : __fmul_rn(static_cast<float>(8 + mantissa), Pow2(exponent - 10));
+    const float magnitude = exponent == 0
+                                ? __fmul_rn(static_cast<float>(mantissa), Pow2(-9))
+                                : __fmul_rn(static_cast<float>(8 + mantissa), Pow2(exponent - 10));
     return (bits & 0x80u) != 0 ? -magnitude : magnitude;
   }
 }
@@ -166,11 +171,12 @@ __device__ void RemapRoute(const StagingParams& p, int64_t route) {
 // ---- MXFP8.
 
 // Ue8m0RoundUp(max(amax, 1e-4) / 448) of staging.cc without the division, for amax a BF16
-// magnitude (or NaN, read as 0). With A = max(amax, 1e-4f) = 2^E * M, M in [1, 2): 2^j >= fl(A / 448)
-// iff 2^j >= A / 448 (448 * 2^j has three significant bits, so the BF16 A and the fp32 floor lie
-// at least 1/224 relatively away from it when above it, far beyond the rounding), and
-// A / 448 = 2^(E-8) * M / 1.75, so the scale exponent is E - 8, plus 1 when M > 1.75. The result
-// lies in [105, 247]: no clamping; an infinite amax gives 254 like the saturated CPU value.
+// magnitude (or NaN, read as 0). With A = max(amax, 1e-4f) = 2^E * M, M in [1, 2):
+// 2^j >= fl(A / 448) iff 2^j >= A / 448 (448 * 2^j has three significant bits, so the BF16 A and
+// the fp32 floor lie at least 1/224 relatively away from it when above it, far beyond the
+// rounding), and A / 448 = 2^(E-8) * M / 1.75, so the scale exponent is E - 8, plus 1 when
+// M > 1.75. The result lies in [105, 247]: no clamping; an infinite amax gives 254 like the
+// saturated CPU value.
 __device__ __forceinline__ uint32_t Mxfp8ScaleExponent(float amax) {
   const uint32_t bits = __float_as_uint(fmaxf(amax, 1e-4f));
   if (bits >= 0x7F800000u) return 254;
@@ -190,28 +196,32 @@ __device__ __forceinline__ void QuantizeMxfp8Chunk(const StagingParams& p, const
   uint32_t pairs[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    pairs[i] = E4m3x2(__fmul_rn(Bf16At(raw, 2 * i), inverse), __fmul_rn(Bf16At(raw, 2 * i + 1), inverse));
+    pairs[i] =
+        E4m3x2(__fmul_rn(Bf16At(raw, 2 * i), inverse), __fmul_rn(Bf16At(raw, 2 * i + 1), inverse));
   }
   const int lane = threadIdx.x & 31;
   const int span = lane & ~15;
   const uint32_t word = __shfl_sync(kFull, e, span) | __shfl_sync(kFull, e, span + 4) << 8 |
-                        __shfl_sync(kFull, e, span + 8) << 16 | __shfl_sync(kFull, e, span + 12) << 24;
+                        __shfl_sync(kFull, e, span + 8) << 16 |
+                        __shfl_sync(kFull, e, span + 12) << 24;
   if (chunk >= chunks) return;
-  __stcs(reinterpret_cast<uint2*>(p.q) + chunk, make_uint2(pairs[0] | pairs[1] << 16, pairs[2] | pairs[3] << 16));
+  __stcs(reinterpret_cast<uint2*>(p.q) + chunk,
+         make_uint2(pairs[0] | pairs[1] << 16, pairs[2] | pairs[3] << 16));
   if ((lane & 15) == 0) p.scales[chunk / 16] = static_cast<int32_t>(word);
 }
 
 // Chunks are numbered over the whole [T, H] input (H / 8 per row, a multiple of 16, so every
 // aligned 16-lane span is one scale word of one row and is valid or invalid as a whole).
-__global__ void __launch_bounds__(kMxfp8Threads) StageMxfp8Kernel(const StagingParams p,
-                                                                  int remap_blocks) {
+__global__ void __launch_bounds__(kMxfp8Threads)
+    StageMxfp8Kernel(const StagingParams p, int remap_blocks) {
   if (static_cast<int>(blockIdx.x) < remap_blocks) {
     RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
     return;
   }
   const int64_t chunks = static_cast<int64_t>(p.tokens) * p.hidden_size / 8;
   const int64_t first =
-      static_cast<int64_t>(blockIdx.x - remap_blocks) * kMxfp8Threads * kMxfp8ThreadChunks + threadIdx.x;
+      static_cast<int64_t>(blockIdx.x - remap_blocks) * kMxfp8Threads * kMxfp8ThreadChunks +
+      threadIdx.x;
   const uint4* x = reinterpret_cast<const uint4*>(p.x);
   uint4 raw[kMxfp8ThreadChunks];
 #pragma unroll
@@ -232,9 +242,9 @@ __global__ void __launch_bounds__(kMxfp8Threads) StageMxfp8Kernel(const StagingP
 // correctly rounded quotient q = |x| / unit: fl(q) > c iff q > c + ulp(c) / 2, and fl(q) >= c iff
 // q >= c - ulp(c) / 2 (every threshold has an even last mantissa bit, so a tie rounds to c).
 // Each bound has at most 26 significant bits and unit 24, so bound * unit is exact in double.
-__device__ constexpr double kE2m1Bounds[7] = {
-    0.25 + 0x1p-26, 0.75 - 0x1p-25, 1.25 + 0x1p-24, 1.75 - 0x1p-24,
-    2.5 + 0x1p-23,  3.5 - 0x1p-23,  5.0 + 0x1p-22};
+__device__ constexpr double kE2m1Bounds[7] = {0.25 + 0x1p-26, 0.75 - 0x1p-25, 1.25 + 0x1p-24,
+                                              1.75 - 0x1p-24, 2.5 + 0x1p-23,  3.5 - 0x1p-23,
+                                              5.0 + 0x1p-22};
 
 // Per group of 16: v[k] = the smallest BF16 magnitude whose E2M1 code (for this group's unit)
 // exceeds k, in both halves; a code is then the number of v[k] that |x| reaches.
@@ -264,7 +274,8 @@ __device__ __forceinline__ E2m1Thresholds GroupThresholds(float unit) {
 // 4j..4j+3 of each half and OR-ed into `out`. Binary search: m2 = code >= 4, m1 = code >= 2 or 6,
 // m0 = the last bit; the sign bit only where the code is nonzero (-0 encodes as 0).
 template <int kJ>
-__device__ __forceinline__ uint32_t EncodeE2m1Pair(uint32_t out, uint32_t x, const E2m1Thresholds& u) {
+__device__ __forceinline__ uint32_t EncodeE2m1Pair(uint32_t out, uint32_t x,
+                                                   const E2m1Thresholds& u) {
   constexpr uint32_t kBit = 0x00010001u << (4 * kJ);
   const uint32_t a = AbsBf16x2Fma(x);
   const uint32_t m2 = GeMaskBf16x2(a, u.v[3]);
@@ -327,8 +338,9 @@ __device__ __forceinline__ Nvfp4LaneTile LoadNvfp4Tile(const uint4* row, int til
     const uint4& odd_load = v[2 * k + 1];
     const uint4 own = odd ? odd_load : even_load;
     const uint4 send = odd ? even_load : odd_load;
-    const uint4 other = make_uint4(__shfl_xor_sync(kFull, send.x, 1), __shfl_xor_sync(kFull, send.y, 1),
-                                   __shfl_xor_sync(kFull, send.z, 1), __shfl_xor_sync(kFull, send.w, 1));
+    const uint4 other =
+        make_uint4(__shfl_xor_sync(kFull, send.x, 1), __shfl_xor_sync(kFull, send.y, 1),
+                   __shfl_xor_sync(kFull, send.z, 1), __shfl_xor_sync(kFull, send.w, 1));
     r.own[k] = RePair(own);
     r.other[k] = RePair(other);
     // An all-NaN group gives NaN here; the CPU's amax is then 0.
@@ -393,8 +405,8 @@ __device__ __forceinline__ void QuantizeNvfp4Tile(const Nvfp4RowOut& out, const 
 }
 
 // Block size: one warp per kNvfp4WarpChunks chunks of the row, at most kNvfp4MaxThreads.
-__global__ void __launch_bounds__(kNvfp4MaxThreads) StageNvfp4Kernel(const StagingParams p,
-                                                                     int remap_blocks) {
+__global__ void __launch_bounds__(kNvfp4MaxThreads)
+    StageNvfp4Kernel(const StagingParams p, int remap_blocks) {
   if (static_cast<int>(blockIdx.x) < remap_blocks) {
     RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
     return;

@@ -194,7 +194,9 @@ TEST(StagingCudaTest, Nvfp4MatchesCpuBitForBit) {
     for (int64_t hidden : {128, 2880, 7168}) CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + tokens * 17 + hidden);
   }
   // Rows longer than one block tile (32768 elements) are read twice, tile by tile.
-  for (int64_t tokens : {1, 7}) CheckCase(StagingFormat::kNvfp4, tokens, 36864, seed + tokens * 17 + 36864);
+  for (int64_t tokens : {1, 7}) {
+    CheckCase(StagingFormat::kNvfp4, tokens, 36864, seed + tokens * 17 + 36864);
+  }
 }
 
 TEST(StagingCudaTest, RemapOnlyAndRejectsBadHidden) {
