@@ -7,7 +7,8 @@
 // hold the input), per-launch time = replay / 4, median of 50 replays. Latency: a graph of one
 // launch, replay timed with events, median of 200 (what a serving step pays for the launch
 // inside its own graph is less: the graph launch overhead is shared), plus back-to-back per-launch
-// time from a graph of 32 launches. Writes JSON.
+// time from a graph of 32 launches. Writes JSON. --formats, --reps and --small narrow a run (for
+// profiling one kernel under ncu).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -30,6 +31,10 @@
 
 ABSL_FLAG(std::string, out_json, "", "where to write the JSON results");
 ABSL_FLAG(std::string, commit, "unknown", "commit the binary was built from");
+ABSL_FLAG(std::vector<std::string>, formats, std::vector<std::string>({"mxfp8", "nvfp4"}),
+          "formats to time");
+ABSL_FLAG(int, reps, 50, "graph replays timed at 4096 tokens");
+ABSL_FLAG(bool, small, true, "also time 1, 8 and 64 tokens");
 
 namespace moe::bench {
 namespace {
@@ -189,12 +194,14 @@ int Main() {
   CUDA_OK(cudaMemset(load.get(), 0, kSlots * 8));
   CUDA_OK(cudaMemset(hosted.get(), 1, kSlots));
 
+  const std::vector<std::string> formats = absl::GetFlag(FLAGS_formats);
   nlohmann::json points = nlohmann::json::array();
   for (StagingFormat format : {StagingFormat::kMxfp8, StagingFormat::kNvfp4}) {
     const char* name = format == StagingFormat::kMxfp8 ? "mxfp8" : "nvfp4";
+    if (std::find(formats.begin(), formats.end(), name) == formats.end()) continue;
     std::vector<std::unique_ptr<StagingSet>> big;
     for (int i = 0; i < 4; ++i) big.push_back(MakeSet(format, 4096, **dp, load, hosted, rng));
-    const double us = TimeLaunches(big, 1, 50, stream);
+    const double us = TimeLaunches(big, 1, absl::GetFlag(FLAGS_reps), stream);
     const double bytes = LaunchBytes(format, 4096);
     const double rate = bytes / (us * 1e-6);
     std::printf("%s 4096 x %lld + remap + load: %8.2f us, %.1f MB, %.3f TB/s = %.1f%% of copy "
@@ -206,6 +213,7 @@ int Main() {
                       {"TBps", rate / 1e12}, {"fraction_of_copy_bw", rate / copy_bw},
                       {"target_fraction", 0.8}});
     big.clear();
+    if (!absl::GetFlag(FLAGS_small)) continue;
     for (int64_t tokens : {1, 8, 64}) {
       std::vector<std::unique_ptr<StagingSet>> one;
       one.push_back(MakeSet(format, tokens, **dp, load, hosted, rng));

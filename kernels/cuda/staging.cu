@@ -1,16 +1,25 @@
-// Fused activation staging (see staging_kernels.h). The element codecs repeat formats.cc step by
-// step with explicitly rounded operations (__fmul_rn / __fdiv_rn: no contraction, IEEE division,
-// no flush to zero), so the bytes match the CPU reference exactly. Amax uses fmaxf from 0, which
-// skips NaN exactly like the CPU's `if (|v| > amax)` loop, and max is order-independent.
+// Fused activation staging (see staging_kernels.h). The element codecs reproduce formats.cc
+// exactly (no contraction, IEEE division, no flush to zero), so the bytes match the CPU reference;
+// where an arithmetic shortcut replaces a step of the CPU code, the comment beside it says why the
+// result is the same. Amax skips NaN exactly like the CPU's `if (|v| > amax)` loop (max.bf16x2 and
+// fmaxf return the non-NaN operand), and max is order-independent.
 //
-// Grid: the quantization blocks first, then one thread per route for the EPLB remap and load
-// recording. MXFP8: each thread owns 8 consecutive elements (one 16-byte load), four lanes a
-// group of 32, sixteen lanes a packed scale word. NVFP4: one block per token row (the token scale
-// needs the whole row's amax first), each lane one group of 16 in the second pass; E2M1 codes by
-// exact threshold comparisons in double instead of a division per element.
+// Grid: the remap blocks first (one thread per route: EPLB remap and load recording, done while
+// the quantization blocks stream), then the quantization blocks.
+// MXFP8: each thread owns kMxfp8ThreadChunks chunks of 8 elements (16-byte loads, all issued
+// before any arithmetic), one block-sized stride apart so that every load instruction of a warp
+// reads 512 contiguous bytes; four lanes form a group of 32, sixteen lanes a packed scale word.
+// NVFP4: one block per token row (the token scale needs the whole row's amax first). A warp covers
+// 128 chunks (64 groups of 16) of the row per tile with four coalesced loads per lane; lanes 2p
+// and 2p+1 then swap half-groups so that each lane holds two whole groups. The row stays in
+// registers between the amax and the encode (one read of the row, one block barrier). E2M1 codes
+// come from three bf16x2 comparisons per element pair against per-group thresholds (binary search
+// over the seven rounding boundaries) instead of a division per element.
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cstdint>
 
@@ -19,15 +28,26 @@
 namespace moe::cuda {
 namespace {
 
-constexpr int kThreads = kStagingThreads;
 constexpr unsigned kFull = 0xFFFFFFFFu;
-// MXFP8 element codes through the hardware conversion (cvt.rn.satfinite.e4m3x2.f32: round half to
-// even, saturate to +-448 (infinities too), NaN -> 0x7F), which gives the bytes of FloatToE4m3;
-// staging_cuda_test checks it. false: the software codec below, step by step as formats.cc.
+constexpr int kMxfp8Threads = kStagingThreads;
+// MXFP8 chunks per thread: 2 measured best on the H200 (1: the same, 4 and 8: slower).
+constexpr int kMxfp8ThreadChunks = 2;
+// NVFP4: groups of 16 per lane and row tile (two 16-byte loads each), so a warp covers 128
+// chunks and a block of up to 32 warps 32768 elements of a row; longer rows loop over tiles
+// (and read the row twice).
+constexpr int kNvfp4LaneGroups = 2;
+constexpr int kNvfp4WarpChunks = 64 * kNvfp4LaneGroups;
+constexpr int kNvfp4MaxThreads = 1024;
+// MXFP8 element codes and E4M3 block scales of NVFP4 through the hardware conversion
+// (cvt.rn.satfinite.e4m3x2.f32: round half to even, saturate to +-448 (infinities too),
+// NaN -> 0x7F), which gives the bytes of FloatToE4m3; staging_cuda_test checks it. false: the
+// software codec below, step by step as formats.cc.
 constexpr bool kHardwareE4m3 = true;
 
 // 2^n for n in [-126, 127].
-__device__ __forceinline__ float Pow2(int n) { return __uint_as_float(static_cast<uint32_t>(n + 127) << 23); }
+__device__ __forceinline__ float Pow2(int n) {
+  return __uint_as_float(static_cast<uint32_t>(n + 127) << 23);
+}
 
 // Element i (0..7) of eight BF16 values in a uint4, as fp32.
 __device__ __forceinline__ float Bf16At(const uint4& v, int i) {
@@ -35,8 +55,61 @@ __device__ __forceinline__ float Bf16At(const uint4& v, int i) {
   return __uint_as_float((i & 1) != 0 ? (w & 0xFFFF0000u) : (w << 16));
 }
 
+// ---- bf16x2 primitives (two BF16 values in a uint32_t, element 0 in the low half).
+
+__device__ __forceinline__ uint32_t AbsBf16x2(uint32_t w) { return w & 0x7FFF7FFFu; }
+
+// The same through abs.bf16x2, which ptxas turns into an HFMA2 with |x|: the FMA pipe instead of
+// the ALU pipe, which limits the NVFP4 encode.
+__device__ __forceinline__ uint32_t AbsBf16x2Fma(uint32_t w) {
+  uint32_t d;
+  asm("abs.bf16x2 %0, %1;" : "=r"(d) : "r"(w));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t MaxBf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// 0xFFFF in each half where a >= b (false for NaN).
+__device__ __forceinline__ uint32_t GeMaskBf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("set.ge.u32.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// 0xFFFF in each half where a <= b (false for NaN).
+__device__ __forceinline__ uint32_t LeMaskBf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("set.le.u32.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// Bitwise mask ? a : b (one LOP3).
+__device__ __forceinline__ uint32_t Select(uint32_t mask, uint32_t a, uint32_t b) {
+  return (a & mask) | (b & ~mask);
+}
+
+// Larger of the two halves of a bf16x2 of magnitudes, as fp32; NaN only when both are NaN.
+__device__ __forceinline__ float LargerHalf(uint32_t m) {
+  return fmaxf(__uint_as_float(m << 16), __uint_as_float(m & 0xFFFF0000u));
+}
+
+// Largest magnitude of the eight BF16 values of a chunk (a bf16x2: one per half).
+__device__ __forceinline__ uint32_t ChunkAbsMax(const uint4& v) {
+  return MaxBf16x2(MaxBf16x2(AbsBf16x2(v.x), AbsBf16x2(v.y)),
+                   MaxBf16x2(AbsBf16x2(v.z), AbsBf16x2(v.w)));
+}
+
+// 16-byte load of data read once (evict-first).
+__device__ __forceinline__ uint4 LoadOnce(const uint4* p) { return __ldcs(p); }
+
+// ---- E4M3.
+
 // FloatToE4m3 of formats.cc: saturating, round half to even on the E4M3 grid, NaN -> 0x7F.
-__device__ __forceinline__ uint32_t E4m3Encode(float x) {
+__device__ __forceinline__ uint32_t E4m3EncodeSoftware(float x) {
   if (isnan(x)) return 0x7Fu;
   const uint32_t sign = signbit(x) ? 0x80u : 0u;
   const float a = fabsf(x);
@@ -49,41 +122,32 @@ __device__ __forceinline__ uint32_t E4m3Encode(float x) {
   return sign | static_cast<uint32_t>((e + 6) * 8 + steps);
 }
 
-// E4m3ToFloat of formats.cc.
+// Two E4M3 codes (x in the low byte) of FloatToE4m3.
+__device__ __forceinline__ uint32_t E4m3x2(float x, float y) {
+  if constexpr (kHardwareE4m3) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(x, y), __NV_SATFINITE, __NV_E4M3);
+  } else {
+    return E4m3EncodeSoftware(x) | E4m3EncodeSoftware(y) << 8;
+  }
+}
+
+// E4m3ToFloat of formats.cc (every E4M3 value is exact in fp16).
 __device__ __forceinline__ float E4m3Decode(uint32_t bits) {
-  if ((bits & 0x7Fu) == 0x7Fu) return __uint_as_float(0x7FC00000u);
-  const int exponent = (bits >> 3) & 0xF;
-  const int mantissa = bits & 0x7;
-  const float magnitude = exponent == 0 ? __fmul_rn(static_cast<float>(mantissa), Pow2(-9))
-                                        : __fmul_rn(static_cast<float>(8 + mantissa), Pow2(exponent - 10));
-  return (bits & 0x80u) != 0 ? -magnitude : magnitude;
+  if constexpr (kHardwareE4m3) {
+    return __half2float(
+        __half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(bits), __NV_E4M3)));
+  } else {
+    if ((bits & 0x7Fu) == 0x7Fu) return __uint_as_float(0x7FC00000u);
+    const int exponent = (bits >> 3) & 0xF;
+    const int mantissa = bits & 0x7;
+    const float magnitude = exponent == 0
+                                ? __fmul_rn(static_cast<float>(mantissa), Pow2(-9))
+                                : __fmul_rn(static_cast<float>(8 + mantissa), Pow2(exponent - 10));
+    return (bits & 0x80u) != 0 ? -magnitude : magnitude;
+  }
 }
 
-// FloatToE2m1 of formats.cc counts the thresholds its argument passes (midpoints to the even
-// code): > 0.25, >= 0.75, > 1.25, >= 1.75, > 2.5, >= 3.5, > 5. For its argument fl(q), the
-// correctly rounded quotient q = |x| / unit: fl(q) > c iff q > c + ulp(c) / 2, and fl(q) >= c iff
-// q >= c - ulp(c) / 2 (every threshold has an even last mantissa bit, so a tie rounds to c).
-// Each bound has at most 26 significant bits and unit 24, so bound * unit is exact in double.
-__device__ constexpr double kE2m1Bounds[7] = {
-    0.25 + 0x1p-26, 0.75 - 0x1p-25, 1.25 + 0x1p-24, 1.75 - 0x1p-24,
-    2.5 + 0x1p-23,  3.5 - 0x1p-23,  5.0 + 0x1p-22};
-
-// FloatToE2m1(x / unit) given bound[k] = kE2m1Bounds[k] * unit (unit > 0): the same code for
-// every x, NaN (no comparison holds: 0) and infinities (all hold: 7) included.
-__device__ __forceinline__ uint32_t E2m1EncodeScaled(float x, const double (&bound)[7]) {
-  const double a = fabs(static_cast<double>(x));
-  const uint32_t m = (a > bound[0]) + (a >= bound[1]) + (a > bound[2]) + (a >= bound[3]) +
-                     (a > bound[4]) + (a >= bound[5]) + (a > bound[6]);
-  if (m == 0) return 0;
-  return signbit(x) ? (0x8u | m) : m;
-}
-
-// Ue8m0RoundUp of staging.cc: biased exponent, +1 if any mantissa bit, clamped to [1, 254].
-__device__ __forceinline__ uint32_t Ue8m0RoundUp(float s) {
-  const uint32_t bits = __float_as_uint(s);
-  const int e = static_cast<int>((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0 ? 1 : 0);
-  return static_cast<uint32_t>(min(max(e, 1), 254));
-}
+// ---- EPLB remap.
 
 // One thread per (t, k) route: remap and load recording (MapLogicalToPhysical + RecordLoad).
 __device__ void RemapRoute(const StagingParams& p, int64_t route) {
@@ -104,141 +168,294 @@ __device__ void RemapRoute(const StagingParams& p, int64_t route) {
   }
 }
 
-__global__ void __launch_bounds__(kThreads) StageMxfp8Kernel(const StagingParams p,
-                                                             int quant_blocks) {
-  if (static_cast<int>(blockIdx.x) >= quant_blocks) {
-    RemapRoute(p, static_cast<int64_t>(blockIdx.x - quant_blocks) * kThreads + threadIdx.x);
-    return;
-  }
-  // Chunks of 8 elements; a row holds H/8 (a multiple of 16), so every aligned 16-lane span is
-  // one scale word of one row and lanes are valid or invalid in whole spans.
-  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  const int64_t chunks = static_cast<int64_t>(p.tokens) * p.hidden_size / 8;
-  const bool valid = chunk < chunks;
-  uint4 raw = make_uint4(0, 0, 0, 0);
-  if (valid) raw = __ldcs(reinterpret_cast<const uint4*>(p.x) + chunk);
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(Bf16At(raw, i)));
+// ---- MXFP8.
+
+// Ue8m0RoundUp(max(amax, 1e-4) / 448) of staging.cc without the division, for amax a BF16
+// magnitude (or NaN, read as 0). With A = max(amax, 1e-4f) = 2^E * M, M in [1, 2):
+// 2^j >= fl(A / 448) iff 2^j >= A / 448 (448 * 2^j has three significant bits, so the BF16 A and
+// the fp32 floor lie at least 1/224 relatively away from it when above it, far beyond the
+// rounding), and A / 448 = 2^(E-8) * M / 1.75, so the scale exponent is E - 8, plus 1 when
+// M > 1.75. The result lies in [105, 247]: no clamping; an infinite amax gives 254 like the
+// saturated CPU value.
+__device__ __forceinline__ uint32_t Mxfp8ScaleExponent(float amax) {
+  const uint32_t bits = __float_as_uint(fmaxf(amax, 1e-4f));
+  if (bits >= 0x7F800000u) return 254;
+  return (bits >> 23) - 8 + ((bits & 0x7FFFFFu) > 0x600000u ? 1 : 0);
+}
+
+// Quantizes chunk `chunk` (8 elements of group chunk / 4), raw its BF16 values. All 32 lanes of
+// the warp call it together (shuffles); chunks at or past `chunks` write nothing.
+__device__ __forceinline__ void QuantizeMxfp8Chunk(const StagingParams& p, const uint4& raw,
+                                                   int64_t chunk, int64_t chunks) {
+  float amax = LargerHalf(ChunkAbsMax(raw));
   amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 2));
-  const uint32_t e = Ue8m0RoundUp(__fdiv_rn(fmaxf(amax, 1e-4f), 448.f));
+  const uint32_t e = Mxfp8ScaleExponent(amax);
   // 2^(127 - e): e = 254 gives the subnormal 2^-127.
   const float inverse = e == 254 ? __uint_as_float(0x00400000u) : __uint_as_float((254u - e) << 23);
-  uint32_t lo = 0, hi = 0;
-  if constexpr (kHardwareE4m3) {
-    uint32_t pairs[4];
+  uint32_t pairs[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 v = make_float2(__fmul_rn(Bf16At(raw, 2 * i), inverse),
-                                   __fmul_rn(Bf16At(raw, 2 * i + 1), inverse));
-      pairs[i] = __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3);  // .x in the low byte
-    }
-    lo = pairs[0] | pairs[1] << 16;
-    hi = pairs[2] | pairs[3] << 16;
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) lo |= E4m3Encode(__fmul_rn(Bf16At(raw, i), inverse)) << (8 * i);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) hi |= E4m3Encode(__fmul_rn(Bf16At(raw, 4 + i), inverse)) << (8 * i);
+  for (int i = 0; i < 4; ++i) {
+    pairs[i] =
+        E4m3x2(__fmul_rn(Bf16At(raw, 2 * i), inverse), __fmul_rn(Bf16At(raw, 2 * i + 1), inverse));
   }
   const int lane = threadIdx.x & 31;
   const int span = lane & ~15;
   const uint32_t word = __shfl_sync(kFull, e, span) | __shfl_sync(kFull, e, span + 4) << 8 |
-                        __shfl_sync(kFull, e, span + 8) << 16 | __shfl_sync(kFull, e, span + 12) << 24;
-  if (!valid) return;
-  __stcs(reinterpret_cast<uint2*>(p.q) + chunk, make_uint2(lo, hi));
+                        __shfl_sync(kFull, e, span + 8) << 16 |
+                        __shfl_sync(kFull, e, span + 12) << 24;
+  if (chunk >= chunks) return;
+  __stcs(reinterpret_cast<uint2*>(p.q) + chunk,
+         make_uint2(pairs[0] | pairs[1] << 16, pairs[2] | pairs[3] << 16));
   if ((lane & 15) == 0) p.scales[chunk / 16] = static_cast<int32_t>(word);
 }
 
-// Largest |x| of a BF16 row (block-wide; every thread gets it).
-__device__ float RowAmax(const uint4* row, int chunks) {
-  __shared__ float partial[kThreads / 32];
-  float amax = 0.f;
-  for (int c = threadIdx.x; c < chunks; c += kThreads) {
-    const uint4 v = __ldg(row + c);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(Bf16At(v, i)));
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, o));
-  if ((threadIdx.x & 31) == 0) partial[threadIdx.x / 32] = amax;
-  __syncthreads();
-  amax = 0.f;
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) amax = fmaxf(amax, partial[w]);
-  return amax;
-}
-
-__global__ void __launch_bounds__(kThreads) StageNvfp4Kernel(const StagingParams p,
-                                                             int quant_blocks) {
-  if (static_cast<int>(blockIdx.x) >= quant_blocks) {
-    RemapRoute(p, static_cast<int64_t>(blockIdx.x - quant_blocks) * kThreads + threadIdx.x);
+// Chunks are numbered over the whole [T, H] input (H / 8 per row, a multiple of 16, so every
+// aligned 16-lane span is one scale word of one row and is valid or invalid as a whole).
+__global__ void __launch_bounds__(kMxfp8Threads)
+    StageMxfp8Kernel(const StagingParams p, int remap_blocks) {
+  if (static_cast<int>(blockIdx.x) < remap_blocks) {
+    RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
     return;
   }
-  const int64_t t = blockIdx.x;
-  const int h = p.hidden_size;
-  const uint4* row = reinterpret_cast<const uint4*>(p.x + t * h);
-  const float x_scale = __fdiv_rn(fmaxf(RowAmax(row, h / 8), FLT_MIN), 2688.f);
+  const int64_t chunks = static_cast<int64_t>(p.tokens) * p.hidden_size / 8;
+  const int64_t first =
+      static_cast<int64_t>(blockIdx.x - remap_blocks) * kMxfp8Threads * kMxfp8ThreadChunks +
+      threadIdx.x;
+  const uint4* x = reinterpret_cast<const uint4*>(p.x);
+  uint4 raw[kMxfp8ThreadChunks];
+#pragma unroll
+  for (int j = 0; j < kMxfp8ThreadChunks; ++j) {
+    const int64_t c = first + j * kMxfp8Threads;
+    raw[j] = c < chunks ? LoadOnce(x + c) : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int j = 0; j < kMxfp8ThreadChunks; ++j) {
+    QuantizeMxfp8Chunk(p, raw[j], first + j * kMxfp8Threads, chunks);
+  }
+}
+
+// ---- NVFP4.
+
+// FloatToE2m1 of formats.cc counts the thresholds its argument passes (midpoints to the even
+// code): > 0.25, >= 0.75, > 1.25, >= 1.75, > 2.5, >= 3.5, > 5. For its argument fl(q), the
+// correctly rounded quotient q = |x| / unit: fl(q) > c iff q > c + ulp(c) / 2, and fl(q) >= c iff
+// q >= c - ulp(c) / 2 (every threshold has an even last mantissa bit, so a tie rounds to c).
+// Each bound has at most 26 significant bits and unit 24, so bound * unit is exact in double.
+__device__ constexpr double kE2m1Bounds[7] = {0.25 + 0x1p-26, 0.75 - 0x1p-25, 1.25 + 0x1p-24,
+                                              1.75 - 0x1p-24, 2.5 + 0x1p-23,  3.5 - 0x1p-23,
+                                              5.0 + 0x1p-22};
+
+// Per group of 16: v[k] = the smallest BF16 magnitude whose E2M1 code (for this group's unit)
+// exceeds k, in both halves; a code is then the number of v[k] that |x| reaches.
+struct E2m1Thresholds {
+  uint32_t v[7];
+  uint32_t negative_v0;  // -v[0]: x <= it iff x is negative with a nonzero code
+};
+
+// For a BF16 magnitude a and the exact double P = bound * unit: a > P iff a >= the successor of
+// fl_down(P) (an fp32, so a >= it iff a >= its BF16 ceiling), and a >= P iff a >= the BF16
+// ceiling of fl_up(P). unit > 0 gives P below FLT_MAX (unit <= 448 * BF16 max / 2688).
+__device__ __forceinline__ E2m1Thresholds GroupThresholds(float unit) {
+  E2m1Thresholds u;
+  const double unit_d = unit;
+#pragma unroll
+  for (int k = 0; k < 7; ++k) {
+    const double bound = kE2m1Bounds[k] * unit_d;
+    const uint32_t f = k % 2 == 0 ? __float_as_uint(__double2float_rd(bound)) + 1
+                                  : __float_as_uint(__double2float_ru(bound));
+    u.v[k] = __byte_perm(f + 0xFFFFu, 0, 0x3232);  // BF16 ceiling (upper half), in both halves
+  }
+  u.negative_v0 = u.v[0] | 0x80008000u;
+  return u;
+}
+
+// E2M1 codes of the two BF16 values of `x` (elements j and j + 4 of a chunk), placed at bits
+// 4j..4j+3 of each half and OR-ed into `out`. Binary search: m2 = code >= 4, m1 = code >= 2 or 6,
+// m0 = the last bit; the sign bit only where the code is nonzero (-0 encodes as 0).
+template <int kJ>
+__device__ __forceinline__ uint32_t EncodeE2m1Pair(uint32_t out, uint32_t x,
+                                                   const E2m1Thresholds& u) {
+  constexpr uint32_t kBit = 0x00010001u << (4 * kJ);
+  const uint32_t a = AbsBf16x2Fma(x);
+  const uint32_t m2 = GeMaskBf16x2(a, u.v[3]);
+  const uint32_t odd_high = Select(m2, u.v[6], u.v[2]);
+  const uint32_t odd_low = Select(m2, u.v[4], u.v[0]);
+  const uint32_t m1 = GeMaskBf16x2(a, Select(m2, u.v[5], u.v[1]));
+  const uint32_t m0 = GeMaskBf16x2(a, Select(m1, odd_high, odd_low));
+  const uint32_t negative = LeMaskBf16x2(x, u.negative_v0);
+  uint32_t code = Select(kBit << 2, m2, m1);
+  code = Select(kBit * 6, code, m0);
+  code = Select(kBit * 7, code, negative);
+  return out | (code & kBit * 15);
+}
+
+// Re-pairs a chunk's eight BF16 values as (e0, e4), (e1, e5), (e2, e6), (e3, e7), so that the
+// codes of a pair land in nibbles j and j + 4 of the chunk's packed word.
+struct ChunkPairs {
+  uint32_t w[4];
+};
+
+__device__ __forceinline__ ChunkPairs RePair(const uint4& c) {
+  return {{__byte_perm(c.x, c.z, 0x5410), __byte_perm(c.x, c.z, 0x7632),
+           __byte_perm(c.y, c.w, 0x5410), __byte_perm(c.y, c.w, 0x7632)}};
+}
+
+// Packed E2M1 codes of one chunk (element j in nibble j).
+__device__ __forceinline__ uint32_t EncodeE2m1Chunk(const ChunkPairs& c, const E2m1Thresholds& u) {
+  uint32_t out = 0;
+  out = EncodeE2m1Pair<0>(out, c.w[0], u);
+  out = EncodeE2m1Pair<1>(out, c.w[1], u);
+  out = EncodeE2m1Pair<2>(out, c.w[2], u);
+  return EncodeE2m1Pair<3>(out, c.w[3], u);
+}
+
+// What a lane holds of one warp tile: kNvfp4LaneGroups groups, each as this lane's chunk and its
+// partner's.
+struct Nvfp4LaneTile {
+  ChunkPairs own[kNvfp4LaneGroups], other[kNvfp4LaneGroups];
+  float group_max[kNvfp4LaneGroups];  // NaN-free
+  int group[kNvfp4LaneGroups];        // group index within the row
+};
+
+// Load and exchange stage. Lane i of the warp whose tile starts at chunk `tile` reads chunks
+// tile + 32j + i (every load instruction of the warp reads 512 contiguous bytes); chunk 32j + i
+// is half (i & 1) of group 16j + i / 2. Lanes 2p + b keep their loads j = 2k + b and swap the
+// others with the partner, so that they hold groups 32k + 16b + p whole. Called by whole warps.
+__device__ __forceinline__ Nvfp4LaneTile LoadNvfp4Tile(const uint4* row, int tile, int chunks) {
+  const int lane = threadIdx.x & 31;
+  const bool odd = (lane & 1) != 0;
+  uint4 v[2 * kNvfp4LaneGroups];
+#pragma unroll
+  for (int j = 0; j < 2 * kNvfp4LaneGroups; ++j) {
+    const int c = tile + 32 * j + lane;
+    v[j] = c < chunks ? LoadOnce(row + c) : make_uint4(0, 0, 0, 0);
+  }
+  Nvfp4LaneTile r;
+#pragma unroll
+  for (int k = 0; k < kNvfp4LaneGroups; ++k) {
+    const uint4& even_load = v[2 * k];
+    const uint4& odd_load = v[2 * k + 1];
+    const uint4 own = odd ? odd_load : even_load;
+    const uint4 send = odd ? even_load : odd_load;
+    const uint4 other =
+        make_uint4(__shfl_xor_sync(kFull, send.x, 1), __shfl_xor_sync(kFull, send.y, 1),
+                   __shfl_xor_sync(kFull, send.z, 1), __shfl_xor_sync(kFull, send.w, 1));
+    r.own[k] = RePair(own);
+    r.other[k] = RePair(other);
+    // An all-NaN group gives NaN here; the CPU's amax is then 0.
+    r.group_max[k] = fmaxf(LargerHalf(MaxBf16x2(ChunkAbsMax(own), ChunkAbsMax(other))), 0.f);
+    r.group[k] = tile / 2 + 32 * k + 16 * (lane & 1) + lane / 2;
+  }
+  return r;
+}
+
+__device__ __forceinline__ float TileMax(const Nvfp4LaneTile& r) {
+  float m = r.group_max[0];
+#pragma unroll
+  for (int k = 1; k < kNvfp4LaneGroups; ++k) m = fmaxf(m, r.group_max[k]);
+  return m;
+}
+
+// Largest of every thread's `v` (block-wide; every thread gets it). One barrier; call once.
+__device__ __forceinline__ float BlockMax(float v) {
+  __shared__ float partial[kNvfp4MaxThreads / 32];
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
+  if (lane == 0) partial[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = partial[lane < static_cast<int>(blockDim.x / 32) ? lane : 0];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
+  return v;
+}
+
+// Where row t's outputs go.
+struct Nvfp4RowOut {
+  uint2* q;         // 8 bytes per group
+  int32_t* scales;  // one word per 4 groups
+  int groups;       // a multiple of 4: scale words are valid or invalid as a whole
+};
+
+// Encode and store stage for a lane's groups. Called by whole warps.
+__device__ __forceinline__ void QuantizeNvfp4Tile(const Nvfp4RowOut& out, const Nvfp4LaneTile& r,
+                                                  float x_scale, float sf_denominator) {
+  const int lane = threadIdx.x & 31;
+  const bool odd = (lane & 1) != 0;
+#pragma unroll
+  for (int k = 0; k < kNvfp4LaneGroups; ++k) {
+    const uint32_t sf_bits = E4m3x2(__fdiv_rn(r.group_max[k], sf_denominator), 0.f) & 0xFFu;
+    const float unit = __fmul_rn(E4m3Decode(sf_bits), x_scale);
+    // unit is 0 or NaN exactly when the CPU writes code 0 for every element: sf = 0, or an
+    // infinite token scale (0 * inf, or NaN sf from inf / inf); otherwise it is at least 2^-149.
+    const uint32_t keep = unit > 0.f ? kFull : 0u;
+    const E2m1Thresholds u = GroupThresholds(unit);
+    const uint32_t own = EncodeE2m1Chunk(r.own[k], u) & keep;
+    const uint32_t other = EncodeE2m1Chunk(r.other[k], u) & keep;
+    // Scale byte of group g in byte g % 4 of word g / 4: lanes 2p + b with p = 4q .. 4q + 3.
+    uint32_t word = sf_bits << (8 * ((lane >> 1) & 3));
+    word |= __shfl_xor_sync(kFull, word, 2);
+    word |= __shfl_xor_sync(kFull, word, 4);
+    const int g = r.group[k];
+    if (g >= out.groups) continue;
+    out.q[g] = odd ? make_uint2(other, own) : make_uint2(own, other);
+    if (((lane >> 1) & 3) == 0) out.scales[g / 4] = static_cast<int32_t>(word);
+  }
+}
+
+// Block size: one warp per kNvfp4WarpChunks chunks of the row, at most kNvfp4MaxThreads.
+__global__ void __launch_bounds__(kNvfp4MaxThreads)
+    StageNvfp4Kernel(const StagingParams p, int remap_blocks) {
+  if (static_cast<int>(blockIdx.x) < remap_blocks) {
+    RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
+    return;
+  }
+  const int64_t t = blockIdx.x - remap_blocks;
+  const int chunks = p.hidden_size / 8;
+  const uint4* row = reinterpret_cast<const uint4*>(p.x) + t * chunks;
+  const int tile_chunks = static_cast<int>(blockDim.x / 32) * kNvfp4WarpChunks;
+  const int warp_tile = static_cast<int>(threadIdx.x / 32) * kNvfp4WarpChunks;
+  const Nvfp4LaneTile first = LoadNvfp4Tile(row, warp_tile, chunks);
+  float amax = TileMax(first);
+  for (int base = tile_chunks; base < chunks; base += tile_chunks) {
+    amax = fmaxf(amax, TileMax(LoadNvfp4Tile(row, base + warp_tile, chunks)));
+  }
+  const float x_scale = __fdiv_rn(fmaxf(BlockMax(amax), FLT_MIN), 2688.f);
   if (threadIdx.x == 0) p.token_scale[t] = x_scale;
   const float sf_denominator = __fmul_rn(6.f, x_scale);
-  const int groups = h / 16;  // a multiple of 4: quads are valid or invalid together
-  const int lane = threadIdx.x & 31;
-  for (int base = threadIdx.x & ~31; base < groups; base += kThreads) {
-    const int g = base + lane;
-    const bool valid = g < groups;
-    uint4 a = make_uint4(0, 0, 0, 0), b = a;
-    if (valid) {
-      a = __ldcs(row + 2 * g);  // second read of the row: from L1/L2
-      b = __ldcs(row + 2 * g + 1);
-    }
-    float gmax = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) gmax = fmaxf(gmax, fmaxf(fabsf(Bf16At(a, i)), fabsf(Bf16At(b, i))));
-    const uint32_t sf_bits = E4m3Encode(__fdiv_rn(gmax, sf_denominator));
-    const float sf = E4m3Decode(sf_bits);
-    const float unit = __fmul_rn(sf, x_scale);
-    uint32_t lo = 0, hi = 0;
-    if (sf != 0.f) {
-      // FloatToE2m1(x / unit) without the 16 IEEE divisions: the rounded quotient passes a
-      // threshold exactly when |x| passes the threshold's rounding boundary times unit, and that
-      // product is exact in double (kE2m1Bounds).
-      double bound[7];
-#pragma unroll
-      for (int k = 0; k < 7; ++k) bound[k] = kE2m1Bounds[k] * static_cast<double>(unit);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) lo |= E2m1EncodeScaled(Bf16At(a, i), bound) << (4 * i);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) hi |= E2m1EncodeScaled(Bf16At(b, i), bound) << (4 * i);
-    }
-    const int quad = lane & ~3;
-    const uint32_t word = __shfl_sync(kFull, sf_bits, quad) | __shfl_sync(kFull, sf_bits, quad + 1) << 8 |
-                          __shfl_sync(kFull, sf_bits, quad + 2) << 16 |
-                          __shfl_sync(kFull, sf_bits, quad + 3) << 24;
-    if (!valid) continue;
-    reinterpret_cast<uint2*>(p.q + t * (h / 2))[g] = make_uint2(lo, hi);
-    if ((lane & 3) == 0) p.scales[t * (h / 64) + g / 4] = static_cast<int32_t>(word);
+  const Nvfp4RowOut out = {reinterpret_cast<uint2*>(p.q + t * (chunks * 4)),
+                           p.scales + t * (chunks / 8), chunks / 2};
+  QuantizeNvfp4Tile(out, first, x_scale, sf_denominator);
+  for (int base = tile_chunks; base < chunks; base += tile_chunks) {
+    QuantizeNvfp4Tile(out, LoadNvfp4Tile(row, base + warp_tile, chunks), x_scale, sf_denominator);
   }
 }
 
 }  // namespace
 
 cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
-  int quant_blocks = 0;
-  if (p.x != nullptr && p.tokens > 0) {
-    quant_blocks = p.format == StagingFormat::kNvfp4
-                       ? p.tokens
-                       : static_cast<int>((static_cast<int64_t>(p.tokens) * p.hidden_size / 8 +
-                                           kThreads - 1) / kThreads);
+  const bool nvfp4 = p.format == StagingFormat::kNvfp4;
+  const bool quantize = p.x != nullptr && p.tokens > 0;
+  int threads = kMxfp8Threads;
+  int64_t quant_blocks = 0;
+  if (nvfp4) {
+    const int warps = (p.hidden_size / 8 + kNvfp4WarpChunks - 1) / kNvfp4WarpChunks;
+    threads = 32 * std::min(std::max(warps, 1), kNvfp4MaxThreads / 32);
+    if (quantize) quant_blocks = p.tokens;
+  } else if (quantize) {
+    const int64_t chunks = static_cast<int64_t>(p.tokens) * p.hidden_size / 8;
+    const int64_t per_block = static_cast<int64_t>(kMxfp8Threads) * kMxfp8ThreadChunks;
+    quant_blocks = (chunks + per_block - 1) / per_block;
   }
   const int64_t routes = p.topk_ids != nullptr ? static_cast<int64_t>(p.tokens) * p.top_k : 0;
-  const int remap_blocks = static_cast<int>((routes + kThreads - 1) / kThreads);
+  const int remap_blocks = static_cast<int>((routes + threads - 1) / threads);
   if (quant_blocks + remap_blocks == 0) return cudaSuccess;
-  const dim3 grid(quant_blocks + remap_blocks);
-  if (p.format == StagingFormat::kNvfp4) {
-    StageNvfp4Kernel<<<grid, kThreads, 0, stream>>>(p, quant_blocks);
+  const dim3 grid(static_cast<unsigned>(quant_blocks + remap_blocks));
+  if (nvfp4) {
+    StageNvfp4Kernel<<<grid, threads, 0, stream>>>(p, remap_blocks);
   } else {
-    StageMxfp8Kernel<<<grid, kThreads, 0, stream>>>(p, quant_blocks);
+    StageMxfp8Kernel<<<grid, threads, 0, stream>>>(p, remap_blocks);
   }
   return cudaGetLastError();
 }

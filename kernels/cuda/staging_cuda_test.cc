@@ -2,7 +2,8 @@
 // MapLogicalToPhysical and RecordLoad: every output byte and every load count must be equal, on
 // fresh random data each run (seeded from the clock, printed) with zero rows, huge and tiny
 // values, infinities and NaNs, replicated and vacant slots, out-of-range ids, padding and a
-// partial hosted mask. Outputs are poisoned before the launch. Needs a GPU (tagged "gpu").
+// partial hosted mask, and NVFP4 rows longer than one block tile. Outputs are poisoned before the
+// launch. Needs a GPU (tagged "gpu").
 #include <cuda_runtime_api.h>
 
 #include <chrono>
@@ -191,6 +192,10 @@ TEST(StagingCudaTest, Nvfp4MatchesCpuBitForBit) {
   const uint64_t seed = FreshSeed();
   for (int64_t tokens : {1, 2, 7, 64, 333, 4096}) {
     for (int64_t hidden : {128, 2880, 7168}) CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + tokens * 17 + hidden);
+  }
+  // Rows longer than one block tile (32768 elements) are read twice, tile by tile.
+  for (int64_t tokens : {1, 7}) {
+    CheckCase(StagingFormat::kNvfp4, tokens, 36864, seed + tokens * 17 + 36864);
   }
 }
 
