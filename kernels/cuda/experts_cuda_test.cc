@@ -27,9 +27,10 @@ namespace {
 // builds without it too), each with direct routes allowed (used where no expert has two routes,
 // e.g. T=1; variants 0, 1, 4 and 6 then fold the combine into GEMM2, 2, 5 and 7 do not) and the
 // wgmma kernel off; variants 0 and 4 with the grouped path always; the wgmma kernel for every
-// batch (wgmma_min_tokens 1, items of up to 144 tokens) in its three configurations (0: 4
+// batch (wgmma_min_tokens 1, items of up to 144 tokens) in its four configurations (0: 4
 // warpgroups x 1 m64 block, shared-memory weight ring; 1: 2 x 2, register ring; 2: 4 x 1,
-// register ring: printed "w0".."w2"); and the defaults (per-batch choice, "v-1").
+// register ring; 3: as 0 with 2 k-steps per wgmma group: printed "w0".."w3"); and the defaults
+// (per-batch choice, "v-1").
 constexpr int kGemmVariants = 8;
 struct BackendCase {
   int variant;
@@ -39,7 +40,7 @@ struct BackendCase {
 const BackendCase kBackendCases[] = {{0, true, 0},  {1, true, 0},  {2, true, 0}, {3, true, 0},
                                      {4, true, 0},  {5, true, 0},  {6, true, 0}, {7, true, 0},
                                      {0, false, 0}, {4, false, 0}, {0, true, 1}, {1, true, 1},
-                                     {2, true, 1},  {-1, true, -1}};
+                                     {2, true, 1},  {3, true, 1},  {-1, true, -1}};
 
 struct LayerCase {
   std::string name;
@@ -216,7 +217,7 @@ class ExpertsCudaTest : public ::testing::TestWithParam<LayerCase> {
   void SetUp() override {
     std::string why;
     if (cuda::DeviceCount(&why) == 0) GTEST_SKIP() << why;
-    static_assert(sizeof(kBackendCases) / sizeof(kBackendCases[0]) == kGemmVariants + 6);
+    static_assert(sizeof(kBackendCases) / sizeof(kBackendCases[0]) == kGemmVariants + 7);
     for (const BackendCase& bc : kBackendCases) {
       CudaBackendOptions options;
       options.poison_scratch = true;
