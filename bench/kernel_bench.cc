@@ -40,6 +40,10 @@ ABSL_FLAG(int, reps, 0, "timed graph replays per point (0: by size)");
 ABSL_FLAG(std::string, out_json, "", "where to write the JSON results");
 ABSL_FLAG(std::string, commit, "unknown", "commit the binary was built from");
 ABSL_FLAG(int, check_tokens, 8, "token count checked against the CPU reference (0: none)");
+ABSL_FLAG(int, variant, -1,
+          "GEMM variant of the main measurement (-1: the runner's per-batch choice)");
+ABSL_FLAG(std::string, extras, "",
+          "comma-separated names of the extra configurations to time (empty: all)");
 ABSL_FLAG(int, extras_max_tokens, 1 << 30,
           "up to this token count also time GEMM variants 1..3 (and launches without PDL up to "
           "64 tokens)");
@@ -299,6 +303,7 @@ int Main() {
 
   nlohmann::json points = nlohmann::json::array();
   cuda::ExpertRunner runner;
+  runner.set_gemm_variant(absl::GetFlag(FLAGS_variant));
   std::mt19937_64 rng(7);
   for (absl::string_view field : absl::StrSplit(absl::GetFlag(FLAGS_tokens), ',')) {
     const int64_t tokens = std::stoll(std::string(field));
@@ -337,12 +342,13 @@ int Main() {
       time_with_stages("mma_sync_no_wgmma");
       runner.set_wgmma_min_tokens(cuda::ExpertRunner::kDefaultWgmmaMinTokens);
       // The other wgmma configurations (variant 1: 2 warpgroups x 2 m64 blocks, register weight
-      // ring; variant 2: 4 x 1, register weight ring; variant 3: as 0 with 2 k-steps per wgmma group).
+      // ring; variant 2: 4 x 1, register weight ring; variant 3: as 0 with 2 k-steps per wgmma
+      // group).
       for (int variant : {1, 2, 3}) {
         runner.set_gemm_variant(variant);
         time_with_stages(absl::StrCat("wgmma_variant", variant));
       }
-      runner.set_gemm_variant(cuda::kAutoGemmVariant);
+      runner.set_gemm_variant(absl::GetFlag(FLAGS_variant));
     }
     if (!wgmma && sets[0]->plan.max_count > 8) {
       // The same sets through the wgmma kernel (every batch): where the threshold should be.
@@ -352,11 +358,18 @@ int Main() {
     }
     if (tokens <= absl::GetFlag(FLAGS_extras_max_tokens)) {
       // variant0_grouped is the previous default (register ring, routes always grouped).
+      // Bulk-copy variants (8..11): l2 = ExpertGemmParams::l2_prefetch bits (-1: the runner's
+      // per-batch choice), evict = the evict-first policy on the weight copies.
+      constexpr int kAutoL2 = cuda::ExpertRunner::kAutoL2Prefetch;
       const struct {
         const char* name;
         int variant;
         bool pdl;
         bool direct;
+        int l2 = -1;
+        bool evict = true;
+        bool fold = true;
+        bool fold_grouped = false;
       } knobs[] = {{"variant0_grouped", 0, true, false},
                    {"variant0_direct", 0, true, true},
                    {"variant4_grouped", 4, true, false},
@@ -367,24 +380,62 @@ int Main() {
                    {"variant6", 6, true, true},
                    {"variant7", 7, true, true},
                    {"variant4", 4, true, true},
+                   {"variant8", 8, true, true},
+                   {"variant9", 9, true, true},
+                   {"variant10", 10, true, true},
+                   {"variant11", 11, true, true},
+                   {"variant12", 12, true, true},
+                   {"variant13", 13, true, true},
+                   {"variant12_no_fold", 12, true, true, kAutoL2, true, false},
+                   {"variant12_fold_grouped", 12, true, true, kAutoL2, true, true, true},
+                   {"variant6_no_evict_first", 6, true, true, kAutoL2, false},
+                   {"variant7_no_evict_first", 7, true, true, kAutoL2, false},
+                   {"variant8_no_evict_first", 8, true, true, kAutoL2, false},
+                   {"variant11_no_evict_first", 11, true, true, kAutoL2, false},
+                   {"variant8_l2_own", 8, true, true, cuda::kL2PrefetchOwn},
+                   {"variant8_l2_ahead", 8, true, true, cuda::kL2PrefetchAhead},
+                   {"variant11_l2_ahead", 11, true, true, cuda::kL2PrefetchAhead},
+                   {"variant9_l2_none", 9, true, true, 0},
+                   {"variant9_l2_next", 9, true, true, cuda::kL2PrefetchNext},
+                   {"variant9_l2_own_next", 9, true, true,
+                    cuda::kL2PrefetchOwn | cuda::kL2PrefetchNext},
+                   {"variant10_l2_none", 10, true, true, 0},
+                   {"variant10_l2_next", 10, true, true, cuda::kL2PrefetchNext},
+                   {"variant10_l2_own_next", 10, true, true,
+                    cuda::kL2PrefetchOwn | cuda::kL2PrefetchNext},
                    {"auto_no_pdl", cuda::kAutoGemmVariant, false, true}};
+      const std::string wanted = absl::GetFlag(FLAGS_extras);
+      const std::vector<std::string> wanted_names = absl::StrSplit(wanted, ',', absl::SkipEmpty());
       for (const auto& k : knobs) {
         if (!k.pdl && tokens > 64) continue;
+        if (!wanted.empty() && std::find(wanted_names.begin(), wanted_names.end(),
+                                         std::string(k.name)) == wanted_names.end()) {
+          continue;
+        }
         runner.set_gemm_variant(k.variant);
         runner.set_programmatic_launch(k.pdl);
         runner.set_direct_routes(k.direct);
+        runner.set_l2_prefetch(k.l2);
+        runner.set_weights_evict_first(k.evict);
+        runner.set_fold_combine(k.fold);
+        runner.set_fold_grouped(k.fold_grouped);
         const Stats st = Summarize(TimeGraph(layer, runner, sets, false, reps, stream));
         std::printf("      %-16s median %8.1f us (p10 %8.1f p90 %8.1f)\n", k.name, st.median,
                     st.p10, st.p90);
         extras.push_back({{"name", k.name}, {"device_graph", ToJson(st)}});
       }
-      runner.set_gemm_variant(cuda::kAutoGemmVariant);
+      runner.set_gemm_variant(absl::GetFlag(FLAGS_variant));
       runner.set_programmatic_launch(true);
       runner.set_direct_routes(true);
+      runner.set_l2_prefetch(kAutoL2);
+      runner.set_weights_evict_first(true);
+      runner.set_fold_combine(true);
+      runner.set_fold_grouped(false);
       // Smaller token tiles than the plan's choice: more items, each expert's weights re-read
       // (from L2 when the items run together), the few-token kernels instead of the tiled one.
       for (int groups : {2, 4}) {
         if (groups >= sets[0]->plan.token_groups) continue;
+        if (!wanted.empty()) continue;
         std::vector<cuda::RoutePlan> saved;
         for (auto& set : sets) {
           saved.push_back(set->plan);
@@ -465,8 +516,9 @@ int Main() {
       {"timing",
        "CUDA graph of `rotations` passes with different routes, per-pass time = replay / "
        "rotations; median over replays; device-resident inputs unless with_host_copies; "
-       "default: GEMM variant chosen per batch (kAutoGemmVariant: 6 with direct routes where no "
-       "expert has two routes, else 7 up to 16-token items; tiled 0 from 32-token items), "
+       "default (--variant=-1): GEMM variant chosen per batch (kAutoGemmVariant: 6 with direct "
+       "routes where no expert has two routes, else 12 up to 16-token items; tiled 0 from "
+       "32-token items; L2 evict-first on the ring variants' weight copies), "
        "programmatic dependent launch on; stage split from plain "
        "launches with events between the kernels"},
       {"points", points}};

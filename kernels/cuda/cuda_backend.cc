@@ -66,6 +66,8 @@ class CudaExpertBackend final : public ExpertBackend {
     runner_.set_gemm_variant(options.gemm_variant);
     if (options.wgmma_min_tokens >= 0) runner_.set_wgmma_min_tokens(options.wgmma_min_tokens);
     runner_.set_direct_routes(options.direct_routes);
+    runner_.set_l2_prefetch(options.l2_prefetch);
+    runner_.set_fold_grouped(options.fold_grouped);
     if (options_.upload_threads <= 0) {
       options_.upload_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     }

@@ -31,6 +31,11 @@ struct CudaBackendOptions {
   // The wgmma kernel runs both GEMMs when the busiest expert slot of a batch has at least this
   // many tokens (ExpertRunner::set_wgmma_min_tokens); 0 never, -1 the runner's default.
   int wgmma_min_tokens = -1;
+  // L2 prefetch bits of the bulk-copy GEMM variants (ExpertRunner::set_l2_prefetch); -1: chosen
+  // per batch. Hints only (tests cover them).
+  int l2_prefetch = -1;
+  // Fold the combine into GEMM2 with grouped routes too (ExpertRunner::set_fold_grouped).
+  bool fold_grouped = false;
 };
 
 // FAILED_PRECONDITION with the reason when the binary has no CUDA or no device is present.

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/expert_gemm_bulk.cuh"
 #include "kernels/cuda/expert_gemm_stages.cuh"
 #include "kernels/cuda/expert_kernels.h"
 #include "kernels/cuda/fp4_fragment.h"
@@ -33,18 +34,33 @@ using namespace detail;  // NOLINT: the shared device stages
 // (WarpMainloopRing) instead of the register ring; variant 5: the same with RT 2, KS 2;
 // variant 6: as 4 with a deeper ring (fewer CTAs per SM, more chunks in flight per warp);
 // variant 7: RT 4, KS 1 (each warp streams a whole tile; no K-split reduction).
+// Variants 8..11 (G <= 2): the ring filled by bulk copies (WarpMainloopBulk): 8 = RT 4 x KS 1,
+// 9 = RT 2 x KS 2, 10 = RT 1 x KS 4, 11..13 = RT 4 x KS 1 with rings of larger groups
+// (BulkRing).
 // More tokens (G >= 4, variant 3 there): each warp covers two row tiles so every B fragment
 // feeds two MMAs.
 template <int G, int V>
 struct GemmConfig {
   static constexpr int kRw = G <= 2 ? 1 : 2;
-  static constexpr int kRt = G <= 2 ? (V == 2 || V == 5 ? 2 : V == 7 ? 4 : 1) : 2;
-  static constexpr int kKs = G <= 2 ? (V == 5 ? 2 : V == 7 ? 1 : 4) : 2;
+  static constexpr bool kWholeTile = V == 7 || V == 8 || V >= 11;
+  static constexpr int kRt = G <= 2 ? (V == 2 || V == 5 || V == 9 ? 2 : kWholeTile ? 4 : 1) : 2;
+  static constexpr int kKs = G <= 2 ? (V == 5 || V == 9 ? 2 : kWholeTile ? 1 : 4) : 2;
   static constexpr int kPrefetch = G <= 2 ? 4 : 2;
   static constexpr bool kPrefetchB = G <= 2;
   static constexpr bool kWarmL1 = G <= 2 && (V == 1 || V == 2);
-  static constexpr bool kSmemRing = G <= 2 && V >= 4;
+  static constexpr bool kSmemRing = G <= 2 && V >= 4 && V <= 7;
+  static constexpr bool kBulk = G <= 2 && V >= 8;
 };
+
+// Ring of the bulk-copy variants (BulkRingLayout: slots x chunks per slot): 8: 4 x 2 chunks,
+// 9 and 10: 6 x 2, 11: 3 x 4 (fewer, larger requests), 12 and 13: 2 x 4 (less shared memory: 10
+// and 12 CTAs per SM).
+template <int V>
+constexpr int BulkSlots() {
+  return V == 8 ? 4 : V == 11 ? 3 : V >= 12 ? 2 : 6;
+}
+template <class Fmt, int V>
+using BulkRing = BulkRingLayout<Fmt, V >= 11 ? 4 : 2, BulkSlots<V>()>;
 
 // Chunks per warp in the shared-memory ring of variants 4..7: 512 bytes of codes (each lane
 // copies and reads its own 16) plus the 8 scale words of the chunk (MXFP4 32 bytes, NVFP4 128;
@@ -66,11 +82,14 @@ constexpr int CtaThreads() {
 // at a cap of 80 several spill).
 template <class Fmt, int G, int V>
 constexpr bool Capped() {
-  return GemmConfig<G, V>::kSmemRing;
+  return GemmConfig<G, V>::kSmemRing || GemmConfig<G, V>::kBulk;
 }
 template <class Fmt, int G, int V>
 constexpr int MinCtasPerSm() {
-  return G != 1 ? 1 : sizeof(typename Fmt::Scale) == 4 ? 8 : 7;
+  if (G != 1) return GemmConfig<G, V>::kBulk ? 7 : 1;
+  if (V == 12) return 10;
+  if (V == 13) return 12;
+  return sizeof(typename Fmt::Scale) == 4 ? 8 : 7;
 }
 template <int G, int V>
 constexpr int CtaRowsOf() {
@@ -147,7 +166,7 @@ __device__ __forceinline__ void WarpMainloopRing(const uint4* values,
                                                  const typename Fmt::Scale* scales, int chunks,
                                                  int ks, const uint4* const (&b_rows)[G],
                                                  bool wait_after_prefetch, uint4* ring_v,
-                                                 typename Fmt::Scale* ring_s,
+                                                 typename Fmt::Scale* ring_s, uint64_t policy,
                                                  float (&acc)[1][G][4]) {
   using Cfg = GemmConfig<G, V>;
   using Scale = typename Fmt::Scale;
@@ -161,11 +180,11 @@ __device__ __forceinline__ void WarpMainloopRing(const uint4* values,
   const uint32_t ss = static_cast<uint32_t>(__cvta_generic_to_shared(ring_s + g));
   auto issue = [&](bool pred, int i, int slot) {
     const int64_t chunk = ks + static_cast<int64_t>(i) * KS;
-    CopyAsync16If(pred, sv + slot * kWarpLanes * 16, values + chunk * kWarpLanes);
+    CopyAsync16HintIf(pred, sv + slot * kWarpLanes * 16, values + chunk * kWarpLanes, policy);
     if constexpr (sizeof(Scale) == 4) {
-      CopyAsync4If(pred && copies_scale, ss + slot * 8 * 4, scales + chunk * 8);
+      CopyAsync4HintIf(pred && copies_scale, ss + slot * 8 * 4, scales + chunk * 8, policy);
     } else {
-      CopyAsync16If(pred && copies_scale, ss + slot * 8 * 16, scales + chunk * 8);
+      CopyAsync16HintIf(pred && copies_scale, ss + slot * 8 * 16, scales + chunk * 8, policy);
     }
     CopyAsyncCommit();
   };
@@ -215,16 +234,19 @@ __device__ __forceinline__ int DirectToken(const ExpertGemmParams& p, int i) {
   return i < routes ? i / p.direct_top_k : (i - routes) % p.direct_tokens;
 }
 
-// Folded combine (ExpertGemmParams::fold_counters), run by the warp that wrote this CTA's y rows
-// (one 16-row tile: h = row_block * 16 + 0..15) after EpilogueY.
-__device__ __forceinline__ void FoldCombine(const ExpertGemmParams& p, const ExpertItem& item,
-                                            int row_block, int row_blocks, int lane) {
-  const int T = p.direct_tokens, K = p.direct_top_k, routes = T * K;
-  const int token = DirectToken(p, item.slot_begin);
-  const bool marked = p.direct_mask != nullptr && p.direct_mask[token] != 0;
-  int participants = marked ? p.direct_shared : 0;
-  for (int k = 0; k < K; ++k) participants += p.direct_ids[token * K + k] >= 0 ? 1 : 0;
-  __threadfence();  // this lane's y stores, before the count
+// Folded combine (ExpertGemmParams::fold_counters), run by the warp that wrote the y rows of
+// 16-row tile `tile` (h = tile * 16 + 0..15) of one route of `token` after EpilogueY (and a
+// __threadfence after its y stores). Every lane takes the same path (warp-uniform returns only),
+// so a warp may call it for several tokens in a row.
+__device__ __forceinline__ void FoldCombine(const ExpertGemmParams& p, int token, int tile,
+                                            int lane) {
+  const int row_blocks = (p.out_valid + kFoldRowsPerBlock - 1) / kFoldRowsPerBlock;
+  if (tile >= row_blocks) return;  // past H: no y rows written, nothing counted
+  const int row_block = tile;
+  const int T = p.fold_tokens, K = p.fold_top_k, routes = T * K;
+  const bool marked = p.fold_mask != nullptr && p.fold_mask[token] != 0;
+  int participants = marked ? p.fold_shared : 0;
+  for (int k = 0; k < K; ++k) participants += p.fold_ids[token * K + k] >= 0 ? 1 : 0;
   __syncwarp();
   int last = 0;
   int32_t* counter = p.fold_counters + static_cast<int64_t>(token) * row_blocks + row_block;
@@ -235,25 +257,27 @@ __device__ __forceinline__ void FoldCombine(const ExpertGemmParams& p, const Exp
   if (lane == 0) *counter = 0;
   const int H = p.out_valid;
   const int h = row_block * kFoldRowsPerBlock + lane;
-  if (lane >= kFoldRowsPerBlock || h >= H) return;
-  float acc = 0.f;
-  for (int k = 0; k < K; ++k) {
-    const int route = token * K + k;
-    if (p.direct_ids[route] < 0) continue;
-    acc += p.fold_weights[route] * __ldcg(p.y_out + static_cast<int64_t>(route) * H + h);
-  }
-  if (marked) {
-    for (int s = 0; s < p.direct_shared; ++s) {
-      const int64_t row = routes + static_cast<int64_t>(s) * T + token;
-      acc += 1.f * __ldcg(p.y_out + row * H + h);
+  if (lane < kFoldRowsPerBlock && h < H) {
+    float acc = 0.f;
+    for (int k = 0; k < K; ++k) {
+      const int route = token * K + k;
+      if (p.fold_ids[route] < 0) continue;
+      acc += p.fold_weights[route] * __ldcg(p.y_out + static_cast<int64_t>(route) * H + h);
+    }
+    if (marked) {
+      for (int s = 0; s < p.fold_shared; ++s) {
+        const int64_t row = routes + static_cast<int64_t>(s) * T + token;
+        acc += 1.f * __ldcg(p.y_out + row * H + h);
+      }
+    }
+    const int64_t at = static_cast<int64_t>(token) * H + h;
+    if (p.fold_out_bf16) {
+      static_cast<uint16_t*>(p.fold_out)[at] = __bfloat16_as_ushort(__float2bfloat16_rn(acc));
+    } else {
+      static_cast<float*>(p.fold_out)[at] = acc;
     }
   }
-  const int64_t at = static_cast<int64_t>(token) * H + h;
-  if (p.fold_out_bf16) {
-    static_cast<uint16_t*>(p.fold_out)[at] = __bfloat16_as_ushort(__float2bfloat16_rn(acc));
-  } else {
-    static_cast<float*>(p.fold_out)[at] = acc;
-  }
+  __syncwarp();
 }
 
 // ---- Stage 4: add the K-split partial sums in warp order ks = 0, 1, ... (warp ks = 0 keeps them).
@@ -304,6 +328,10 @@ __device__ __forceinline__ void GemmBody(const ExpertGemmParams& p, int row_bloc
   constexpr int kRingChunks = Cfg::kSmemRing ? RT * KS * RingDepth<Fmt, V>() : 1;
   __shared__ uint4 ring_v[kRingChunks * kWarpLanes];
   __shared__ typename Fmt::Scale ring_s[kRingChunks * 8];
+  constexpr int kBulkWarps = Cfg::kBulk ? RT * KS : 0;
+  constexpr int kBulkRingBytes = kBulkWarps > 0 ? kBulkWarps * BulkRing<Fmt, V>::kWarpBytes : 16;
+  __shared__ alignas(128) unsigned char bulk_ring[kBulkRingBytes];
+  __shared__ uint64_t bulk_bars[kBulkWarps > 0 ? kBulkWarps * BulkRing<Fmt, V>::kSlots : 1];
 
   const bool direct = p.direct_ids != nullptr;
   if constexpr (kGemm1) {
@@ -352,13 +380,43 @@ __device__ __forceinline__ void GemmBody(const ExpertGemmParams& p, int row_bloc
       for (int e = 0; e < 4; ++e) acc[r][q][e] = 0.f;
 
   const bool wait_after_prefetch = !kGemm1 || direct;
-  if constexpr (Cfg::kSmemRing) {
+  if constexpr (Cfg::kBulk) {
+    static_assert(RW == 1, "the bulk main loop streams one tile per warp");
+    if (kGemm1 && (p.l2_prefetch & kL2PrefetchNext) != 0 && p.next_values != nullptr && lane == 0) {
+      // This warp's share of the same expert slot's GEMM2 weights, into L2 while GEMM1 runs.
+      const int parts = row_blocks * RT * KS, part = row_block * RT * KS + warp;
+      PrefetchShareL2(static_cast<const unsigned char*>(p.next_values) +
+                          item.expert * p.next_values_stride_bytes,
+                      p.next_values_bytes, part, parts);
+      PrefetchShareL2(static_cast<const unsigned char*>(p.next_scales) +
+                          item.expert * p.next_scales_stride_bytes,
+                      p.next_scales_bytes, part, parts);
+    }
+    // Warp-uniform copies of the warp index and the expert slot (broadcast from lane 0), so the
+    // compiler keeps the copy addresses in uniform registers.
+    const int uwarp = __shfl_sync(0xffffffffu, warp, 0);
+    const int uexpert = __shfl_sync(0xffffffffu, item.expert, 0);
+    const int uks = uwarp % KS;
+    const int utile = row_block * RT + uwarp / KS;
+    const int64_t base = static_cast<int64_t>(utile < p.tiles ? utile : 0) * p.chunks;
+    const uint4* values =
+        static_cast<const uint4*>(p.values) + uexpert * p.values_expert_stride + base * kWarpLanes;
+    const auto* scales = static_cast<const typename Fmt::Scale*>(p.scales) +
+                         uexpert * p.scales_expert_stride + base * 8;
+    // Contiguous K ranges per K-split warp (bulk copies of several chunks at once).
+    const int c_begin = static_cast<int>(static_cast<int64_t>(p.chunks) * uks / KS);
+    const int c_end = static_cast<int>(static_cast<int64_t>(p.chunks) * (uks + 1) / KS);
+    using Ring = BulkRing<Fmt, V>;
+    WarpMainloopBulk<Fmt, G, Ring>(p, values, scales, c_begin, c_end - c_begin, b_rows,
+                                   wait_after_prefetch, bulk_ring + uwarp * Ring::kWarpBytes,
+                                   bulk_bars + uwarp * Ring::kSlots, acc);
+  } else if constexpr (Cfg::kSmemRing) {
     static_assert(RW == 1, "the ring main loop streams one tile per warp");
     constexpr int kWarpChunks = RingDepth<Fmt, V>();
-    WarpMainloopRing<Fmt, G, V>(stream.values[0], stream.scales[0], p.chunks, ks,
-                                b_rows, wait_after_prefetch,
-                                ring_v + warp * kWarpChunks * kWarpLanes,
-                                ring_s + warp * kWarpChunks * 8, acc);
+    WarpMainloopRing<Fmt, G, V>(stream.values[0], stream.scales[0], p.chunks, ks, b_rows,
+                                wait_after_prefetch, ring_v + warp * kWarpChunks * kWarpLanes,
+                                ring_s + warp * kWarpChunks * 8, L2Policy(p.weights_evict_first),
+                                acc);
   } else {
     WarpMainloop<Fmt, G, V>(stream, p.chunks, ks, b_rows, wait_after_prefetch, acc);
   }
@@ -368,8 +426,18 @@ __device__ __forceinline__ void GemmBody(const ExpertGemmParams& p, int row_bloc
     EpilogueAct<RW, G>(p, item, tile0, lane, acc);
   } else {
     EpilogueY<RW, G>(p, item, tile0, lane, acc);
-    if constexpr (RW == 1 && RT == 1) {
-      if (p.fold_counters != nullptr) FoldCombine(p, item, row_block, row_blocks, lane);
+    if constexpr (RW == 1) {
+      if (p.fold_counters != nullptr) {
+        __threadfence();  // this lane's y stores, before the counts
+        if (direct) {
+          FoldCombine(p, DirectToken(p, item.slot_begin), tile0, lane);
+        } else {
+          // Grouped routes: every token of the item (warp-uniform loop).
+          for (int col = 0; col < item.count; ++col) {
+            FoldCombine(p, p.fold_slot_token[item.slot_begin + col], tile0, lane);
+          }
+        }
+      }
     }
   }
 }
@@ -412,21 +480,25 @@ constexpr GemmEntry Entry() {
 
 // Variants of this kernel: token groups <= 2: 0, 1, 2, 4 (variant 3 is the tiled kernel, its
 // column here unused); token groups >= 4: variant 3, in column 0 (0, 1, 2, 4 are tiled).
-const GemmEntry kGemmTable[4][8] = {
+const GemmEntry kGemmTable[4][kMaxGemmVariant + 1] = {
     {Entry<1, 0>(), Entry<1, 1>(), Entry<1, 2>(), Entry<1, 0>(), Entry<1, 4>(), Entry<1, 5>(),
-     Entry<1, 6>(), Entry<1, 7>()},
+     Entry<1, 6>(), Entry<1, 7>(), Entry<1, 8>(), Entry<1, 9>(), Entry<1, 10>(), Entry<1, 11>(),
+     Entry<1, 12>(), Entry<1, 13>()},
     {Entry<2, 0>(), Entry<2, 1>(), Entry<2, 2>(), Entry<2, 0>(), Entry<2, 4>(), Entry<2, 5>(),
-     Entry<2, 6>(), Entry<2, 7>()},
+     Entry<2, 6>(), Entry<2, 7>(), Entry<2, 8>(), Entry<2, 9>(), Entry<2, 10>(), Entry<2, 11>(),
+     Entry<2, 12>(), Entry<2, 13>()},
     {Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(),
+     Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(),
      Entry<4, 0>(), Entry<4, 0>()},
     {Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(),
+     Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(),
      Entry<8, 0>(), Entry<8, 0>()}};
 
 // The ring kernels want the largest shared-memory carveout (their occupancy is bounded by shared
 // memory); set once, before their first launch.
 cudaError_t SetRingCarveouts() {
   for (int gi = 0; gi < 2; ++gi) {
-    for (int v : {4, 5, 6, 7}) {
+    for (int v = 4; v <= kMaxGemmVariant; ++v) {
       const GemmEntry& e = kGemmTable[gi][v];
       for (GemmKernel k : {e.mxfp4_gemm1, e.mxfp4_gemm2, e.nvfp4_gemm1, e.nvfp4_gemm2}) {
         const cudaError_t err = cudaFuncSetAttribute(
@@ -476,7 +548,7 @@ cudaError_t LaunchExpertGemm(const ExpertGemmParams& p, const GemmLaunch& launch
     return LaunchTiledGemm(p, launch, stream);
   }
   if (p.fold_counters != nullptr &&
-      (p.direct_ids == nullptr || launch.gemm1 ||
+      ((p.direct_ids == nullptr && p.fold_slot_token == nullptr) || launch.gemm1 ||
        !GemmCanFoldCombine(launch.token_groups, launch.variant))) {
     return cudaErrorInvalidValue;
   }

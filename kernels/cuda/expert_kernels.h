@@ -113,17 +113,43 @@ struct ExpertGemmParams {
   int32_t direct_top_k = 0;                 // K
   int32_t direct_experts = 0;               // routed slots E (shared slot s is E + s)
   int32_t direct_shared = 0;                // shared slots S that run (0 without a mask)
-  // GEMM2 with direct routes only (GemmCanFoldCombine): the combine folded in. Each CTA, after
-  // writing its y rows, counts itself in fold_counters[token * row_blocks + row_block]; the last
-  // of the token's routes (routed ids >= 0, then marked shared experts) adds the y rows of that
-  // row block in the combine's order (expert_combine.cu: k order, then shared experts with weight
-  // 1, fp32) into out and resets the counter to 0. Deterministic: the order never depends on
-  // which CTA is last. fold_counters must be zero before the launch.
-  int32_t* fold_counters = nullptr;         // [T * row_blocks], zero
+  // GEMM2 (GemmCanFoldCombine; direct routes, or grouped routes with fold_slot_token): the
+  // combine folded in. Each warp that writes a 16-row tile of y rows counts itself, per token of
+  // its item, in fold_counters[token * ceil(H / 16) + tile]; the last of the token's routes
+  // (fold_ids >= 0, then marked shared experts) adds the y rows of that tile in the combine's
+  // order (expert_combine.cu: k order, then shared experts with weight 1, fp32) into out and
+  // resets the counter to 0. Deterministic: the order never depends on which CTA is last.
+  // fold_counters must be zero before the launch.
+  int32_t* fold_counters = nullptr;         // [T * ceil(H / 16)], zero
+  const int32_t* fold_ids = nullptr;        // [T, K] slot or -1 (the batch's ids)
+  const uint8_t* fold_mask = nullptr;       // [T] shared-expert mask or null
+  int32_t fold_tokens = 0;                  // T
+  int32_t fold_top_k = 0;                   // K
+  int32_t fold_shared = 0;                  // shared slots S that run (0 without a mask)
+  const int32_t* fold_slot_token = nullptr; // grouped routes: token of each slot; null if direct
   const float* fold_weights = nullptr;      // [T, K]
   void* fold_out = nullptr;                 // [T, H] F32, or BF16 when fold_out_bf16
   bool fold_out_bf16 = false;
+  // Streaming kernel, shared-memory ring variants (4..13): weights_evict_first: the ring's
+  // copies carry an L2 evict-first policy (weights are read once; activations, act rows and y
+  // stay). Bulk-copy variants (GemmUsesBulkCopies) only: l2_prefetch bits (kL2Prefetch*):
+  // kL2PrefetchOwn: each warp asks L2 for its whole weight range at its start
+  // (cp.async.bulk.prefetch.L2); kL2PrefetchNext (GEMM1 only): each warp also asks for its share
+  // of next_* of the same expert slot (GEMM2's weights, while GEMM1 runs); kL2PrefetchAhead: each
+  // warp asks for the group one ring length beyond its ring at every refill. Hints only: results
+  // do not depend on them.
+  bool weights_evict_first = false;
+  int32_t l2_prefetch = 0;
+  const void* next_values = nullptr;     // GEMM2's packed values, or null
+  const void* next_scales = nullptr;
+  int64_t next_values_stride_bytes = 0;  // per expert slot
+  int64_t next_scales_stride_bytes = 0;
+  int64_t next_values_bytes = 0;         // used bytes per expert slot (tiles * chunks * 512)
+  int64_t next_scales_bytes = 0;
 };
+inline constexpr int kL2PrefetchOwn = 1;
+inline constexpr int kL2PrefetchNext = 2;
+inline constexpr int kL2PrefetchAhead = 4;
 
 struct ExpertCombineParams {
   const float* y = nullptr;              // [T*K + S*T, H]
@@ -142,7 +168,7 @@ struct ExpertCombineParams {
 // GEMM1 (launched programmatically) start launching at once; GEMM1 waits for its completion.
 cudaError_t LaunchExpertPrologue(const ExpertPrologueParams& p, cudaStream_t stream);
 
-inline constexpr int kMaxGemmVariant = 7;
+inline constexpr int kMaxGemmVariant = 13;
 // ExpertRunner / CUDA backend setting (not a GemmLaunch value): pick the variant per batch from
 // the format and the routes (ExpertRunner::set_gemm_variant; the measured best, NOTES-cuda.md).
 inline constexpr int kAutoGemmVariant = -1;
@@ -164,9 +190,14 @@ struct GemmLaunch {
   // in flight than the register ring of 0..2); token_groups >= 4: as 0. 5: as 4 with two row
   // warps and a 2-way K split (longer streams per warp); 6: as 4 with a deeper ring (12 chunks
   // per warp against 8); 7: four row warps, no K split (each warp streams a whole tile);
-  // token_groups >= 4: 4..7 as 0. token_groups 16 (wgmma): 0 = 4 warpgroups x 1 m64 block with
-  // a shared-memory weight ring (also 3..7), 1 = 2 x 2 with the register ring, 2 = 4 x 1 with
-  // the register ring. 0 is the measured best (NOTES-cuda.md; wgmma 0 and 2 tie).
+  // token_groups >= 4: 4..13 as 0. 8..13 (token_groups <= 2): the ring filled by bulk copies
+  // (cp.async.bulk, one request per group of 2 or 4 chunks per warp, an mbarrier per ring slot;
+  // GemmUsesBulkCopies): 8 = four row warps, no K split, ring of 8 chunks in groups of 2; 9 = two
+  // row warps x 2-way K split, 12 chunks; 10 = one row warp x 4-way K split, 12 chunks; 11 = as
+  // 8 with 12 chunks in 3 groups of 4; 12 = as 8 with 2 groups of 4 (10 CTAs per SM); 13 = as
+  // 12 with 12 CTAs per SM (fewer registers). token_groups 16 (wgmma): 0 = 4 warpgroups x 1 m64
+  // block with a shared-memory weight ring (also 3..13), 1 = 2 x 2 with the register ring,
+  // 2 = 4 x 1 with the register ring. 0 is the measured best (NOTES-cuda.md; wgmma 0 and 2 tie).
   int variant = 0;
   int num_items = 0;     // the host's count (the device writes the same to *p.num_items)
   // Programmatic dependent launch: the kernel may start before its predecessor in the stream
@@ -185,10 +216,16 @@ cudaError_t LaunchExpertGemm(const ExpertGemmParams& p, const GemmLaunch& launch
 inline bool GemmUsesStreamingKernel(int token_groups, int variant) {
   return token_groups >= 4 ? variant == 3 : variant != 3;
 }
-// Whether (token_groups, variant) can fold the combine into GEMM2 (direct routes, CTAs of one
-// 16-row tile): GEMM2's row blocks are then ceil(H / 16).
+// Whether (token_groups, variant) can fold the combine into GEMM2 (warps that each write one
+// 16-row tile of y).
 inline bool GemmCanFoldCombine(int token_groups, int variant) {
-  return token_groups <= 2 && (variant == 0 || variant == 1 || variant == 4 || variant == 6);
+  return token_groups <= 2 &&
+         (variant == 0 || variant == 1 || variant == 4 || variant == 6 || variant >= 8);
+}
+// Whether (token_groups, variant) streams its weights with bulk copies (ExpertGemmParams
+// l2_prefetch applies).
+inline bool GemmUsesBulkCopies(int token_groups, int variant) {
+  return token_groups <= 2 && variant >= 8;
 }
 inline constexpr int kFoldRowsPerBlock = 16;
 

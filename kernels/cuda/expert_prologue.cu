@@ -195,6 +195,9 @@ __global__ void __launch_bounds__(kThreads) ExpertPrologueKernel(const ExpertPro
     GroupRoutes(p);
   } else {
     StageHidden(p, static_cast<int>(blockIdx.x) - 1, static_cast<int>(gridDim.x) - 1);
+    if (p.zero_unrouted_out != nullptr) {
+      ZeroUnroutedRows(p, static_cast<int>(blockIdx.x) - 1, static_cast<int>(gridDim.x) - 1);
+    }
   }
 }
 

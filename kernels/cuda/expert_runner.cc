@@ -306,10 +306,13 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   const bool few = direct_ && plan.max_count <= 1 && plan.token_groups == 1;
   int variant = variant_;
   if (variant == kAutoGemmVariant) {
-    variant = plan.token_groups >= 4 ? 0 : few ? 6 : 7;
+    variant = plan.token_groups >= 4 ? 0 : few ? 6 : 12;
   }
   const bool direct = few && GemmUsesStreamingKernel(plan.token_groups, variant);
-  const bool fold = direct && fold_ && GemmCanFoldCombine(plan.token_groups, variant);
+  // Folded combine: direct routes; grouped routes (bulk-copy variants only) when asked
+  // (set_fold_grouped: measured slower, e.g. problem C at 64 tokens 153.7 vs 125.9 us).
+  const bool fold = fold_ && GemmCanFoldCombine(plan.token_groups, variant) &&
+                    (direct || (fold_grouped_ && GemmUsesBulkCopies(plan.token_groups, variant)));
   ExpertPrologueParams pro = PrologueParams(layer, batch, plan);
   pro.group_routes = !direct;
   if (fold) {
@@ -352,6 +355,25 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   g1.out_cols = static_cast<int32_t>(layer.inter_padded);
   g1.act = layer.act;
   g1.act_out = act_.as<uint16_t>();
+  // The shared-memory ring variants (4..13) read the weights with an L2 evict-first policy
+  // (measured 3-8% faster at 8-64 tokens, NOTES-cuda.md).
+  g1.weights_evict_first = evict_first_ && plan.token_groups <= 2 && variant >= 4;
+  if (GemmUsesBulkCopies(plan.token_groups, variant)) {
+    const DeviceGemmWeights& w2 = layer.w2;
+    const int64_t scale_bytes = layer.format == Fp4Format::kMxfp4 ? 4 : 16;
+    // Auto: none. Every prefetch measured slower (T=1: GEMM2's weights into L2 during GEMM1
+    // +3.7 us; 8 tokens +17-28 us; one ring ahead +0.5-14% at 8-64 tokens).
+    const int bits = l2_prefetch_ == kAutoL2Prefetch ? 0 : l2_prefetch_;
+    g1.l2_prefetch = bits;
+    if ((bits & kL2PrefetchNext) != 0) {
+      g1.next_values = w2.values.get();
+      g1.next_scales = w2.scales.get();
+      g1.next_values_stride_bytes = w2.values_stride * 16;
+      g1.next_scales_stride_bytes = w2.scales_stride * scale_bytes;
+      g1.next_values_bytes = static_cast<int64_t>(w2.tiles) * w2.chunks * 512;
+      g1.next_scales_bytes = static_cast<int64_t>(w2.tiles) * w2.chunks * 8 * scale_bytes;
+    }
+  }
   if (absl::Status s = CudaStatus(
           LaunchExpertGemm(g1, launch, stream), "GEMM1");
       !s.ok()) {
@@ -372,8 +394,16 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
     g2.fold_weights = batch.weights;
     g2.fold_out = batch.out;
     g2.fold_out_bf16 = batch.out_bf16;
+    g2.fold_ids = batch.ids;
+    g2.fold_mask = pro.shared_mask;
+    g2.fold_tokens = pro.tokens;
+    g2.fold_top_k = pro.top_k;
+    g2.fold_shared = plan.num_shared;
+    if (!direct) g2.fold_slot_token = slot_token_.as<int32_t>();
   }
   g2.b_rows = act_.as<uint16_t>();
+  g2.weights_evict_first = g1.weights_evict_first;
+  g2.l2_prefetch = g1.l2_prefetch & ~kL2PrefetchNext;
   g2.bias_a = layer.bias_w2.as<float>();
   g2.out_valid = static_cast<int32_t>(layer.hidden);
   g2.out_cols = static_cast<int32_t>(layer.hidden);

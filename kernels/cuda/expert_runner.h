@@ -118,8 +118,9 @@ class ExpertRunner {
   // (on by default) and the GEMM variant (GemmLaunch::variant, 0 by default).
   void set_programmatic_launch(bool on) { programmatic_ = on; }
   // GemmLaunch::variant, or kAutoGemmVariant (the default): per batch, direct routes (T=1-like
-  // batches) -> 6 (deep shared-memory ring, 4-way K split, folded combine); otherwise up to
-  // 16-token items -> 7 (ring, one whole tile per warp); token_groups >= 4 -> 0 (tiled).
+  // batches) -> 6 (deep cp.async ring, 4-way K split, folded combine); otherwise up to 16-token
+  // items -> 12 (bulk-copy ring, one whole tile per warp, 10 CTAs per SM); token_groups >= 4 ->
+  // 0 (tiled). The ring variants read the weights with an L2 evict-first policy.
   void set_gemm_variant(int variant) { variant_ = variant; }
   // The wgmma kernel (items of up to 144 tokens, expert_gemm_wgmma.cu) runs both GEMMs when the
   // busiest slot has at least this many tokens; 0 never (the mma.sync kernels, as chosen by the
@@ -135,6 +136,16 @@ class ExpertRunner {
   // With direct routes and a variant that allows it (GemmCanFoldCombine): the combine folded into
   // GEMM2 (ExpertGemmParams::fold_counters), no combine launch. On by default.
   void set_fold_combine(bool on) { fold_ = on; }
+  // Also fold the combine with grouped routes through a bulk-copy variant (each warp counts the
+  // tokens of its item one after the other). Off by default: measured slower (NOTES-cuda.md).
+  void set_fold_grouped(bool on) { fold_grouped_ = on; }
+  // Bulk-copy variants (GemmUsesBulkCopies) only: ExpertGemmParams::l2_prefetch bits, or
+  // kAutoL2Prefetch (the default): per batch, the measured best (expert_runner.cc). Ring
+  // variants 4..13: the L2 evict-first policy on the weight copies
+  // (ExpertGemmParams::weights_evict_first, on by default).
+  static constexpr int kAutoL2Prefetch = -1;
+  void set_l2_prefetch(int bits) { l2_prefetch_ = bits; }
+  void set_weights_evict_first(bool on) { evict_first_ = on; }
 
  private:
   absl::Status Mark(int stage, cudaStream_t stream) const;
@@ -145,6 +156,9 @@ class ExpertRunner {
   int wgmma_min_tokens_ = kDefaultWgmmaMinTokens;
   bool direct_ = true;
   bool fold_ = true;
+  bool fold_grouped_ = false;
+  int l2_prefetch_ = kAutoL2Prefetch;
+  bool evict_first_ = true;
   cudaEvent_t* stage_events_ = nullptr;
   DeviceBuffer x_staged_;
   DeviceBuffer slot_token_;

@@ -23,24 +23,29 @@
 namespace moe {
 namespace {
 
-// GemmLaunch::variant 0..7 (kernels/cuda/expert_kernels.h; that header needs CUDA, this test
+// GemmLaunch::variant 0..13 (kernels/cuda/expert_kernels.h; that header needs CUDA, this test
 // builds without it too), each with direct routes allowed (used where no expert has two routes,
-// e.g. T=1; variants 0, 1, 4 and 6 then fold the combine into GEMM2, 2, 5 and 7 do not) and the
-// wgmma kernel off; variants 0 and 4 with the grouped path always; the wgmma kernel for every
-// batch (wgmma_min_tokens 1, items of up to 144 tokens) in its four configurations (0: 4
-// warpgroups x 1 m64 block, shared-memory weight ring; 1: 2 x 2, register ring; 2: 4 x 1,
-// register ring; 3: as 0 with 2 k-steps per wgmma group: printed "w0".."w3"); and the defaults
-// (per-batch choice, "v-1").
-constexpr int kGemmVariants = 8;
+// e.g. T=1; variants 0, 1, 4, 6 and 8..13 then fold the combine into GEMM2, 2, 5 and 7 do not)
+// and the wgmma kernel off; variants 0, 4 and 12 with the grouped path always, 12 also with the
+// combine folded into GEMM2 for grouped routes ("f"); variant 10 with every L2 prefetch hint on
+// (bits 7, "p"); the wgmma kernel for every batch (wgmma_min_tokens 1, items of up to 144
+// tokens) in its four configurations (0: 4 warpgroups x 1 m64 block, shared-memory weight ring;
+// 1: 2 x 2, register ring; 2: 4 x 1, register ring; 3: as 0 with 2 k-steps per wgmma group:
+// printed "w0".."w3"); and the defaults (per-batch choice, "v-1").
+constexpr int kGemmVariants = 14;
 struct BackendCase {
   int variant;
   bool direct;
   int wgmma_min_tokens;  // 0: off, 1: always, -1: the runner's default
+  int l2_prefetch = -1;  // bulk-copy variants 8..13: ExpertRunner::set_l2_prefetch
+  bool fold_grouped = false;  // ExpertRunner::set_fold_grouped
 };
-const BackendCase kBackendCases[] = {{0, true, 0},  {1, true, 0},  {2, true, 0}, {3, true, 0},
-                                     {4, true, 0},  {5, true, 0},  {6, true, 0}, {7, true, 0},
-                                     {0, false, 0}, {4, false, 0}, {0, true, 1}, {1, true, 1},
-                                     {2, true, 1},  {3, true, 1},  {-1, true, -1}};
+const BackendCase kBackendCases[] = {
+    {0, true, 0},  {1, true, 0},  {2, true, 0},  {3, true, 0},        {4, true, 0},
+    {5, true, 0},  {6, true, 0},  {7, true, 0},  {8, true, 0},        {9, true, 0},
+    {10, true, 0}, {11, true, 0}, {12, true, 0}, {13, true, 0},       {0, false, 0},
+    {4, false, 0}, {12, false, 0}, {12, false, 0, -1, true},          {10, true, 0, 7},
+    {0, true, 1},  {1, true, 1},  {2, true, 1},  {3, true, 1},        {-1, true, -1}};
 
 struct LayerCase {
   std::string name;
@@ -217,13 +222,15 @@ class ExpertsCudaTest : public ::testing::TestWithParam<LayerCase> {
   void SetUp() override {
     std::string why;
     if (cuda::DeviceCount(&why) == 0) GTEST_SKIP() << why;
-    static_assert(sizeof(kBackendCases) / sizeof(kBackendCases[0]) == kGemmVariants + 7);
+    static_assert(sizeof(kBackendCases) / sizeof(kBackendCases[0]) == kGemmVariants + 10);
     for (const BackendCase& bc : kBackendCases) {
       CudaBackendOptions options;
       options.poison_scratch = true;
       options.gemm_variant = bc.variant;
       options.direct_routes = bc.direct;
       options.wgmma_min_tokens = bc.wgmma_min_tokens;
+      options.l2_prefetch = bc.l2_prefetch;
+      options.fold_grouped = bc.fold_grouped;
       absl::StatusOr<std::unique_ptr<ExpertBackend>> b = MakeCudaExpertBackend(options);
       ASSERT_TRUE(b.ok()) << b.status();
       backends_.push_back(*std::move(b));
@@ -270,9 +277,12 @@ TEST_P(ExpertsCudaTest, MatchesReference) {
       ASSERT_TRUE(backend.Run(3, layer.layer, r->request).ok());
       EXPECT_EQ(r->out, first) << "second run differs (not bitwise repeatable)";
       const auto [rel, nans] = Compare(got, ref);
-      std::printf("[cuda-vs-ref] %-30s %s%d%s T=%-5lld rel_err=%.3e nan=%lld seed=%llu\n",
+      std::printf("[cuda-vs-ref] %-30s %s%d%s%s T=%-5lld rel_err=%.3e nan=%lld seed=%llu\n",
                   c.name.c_str(), kBackendCases[variant].wgmma_min_tokens == 1 ? "w" : "v",
                   kBackendCases[variant].variant, kBackendCases[variant].direct ? "d" : "g",
+                  kBackendCases[variant].l2_prefetch >= 0      ? "p"
+                  : kBackendCases[variant].fold_grouped ? "f"
+                                                        : "",
                   static_cast<long long>(tokens), rel,
                   static_cast<long long>(nans), static_cast<unsigned long long>(seed));
       EXPECT_EQ(nans, 0) << c.name << " v" << variant << " T=" << tokens;
