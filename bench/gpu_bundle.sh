@@ -8,9 +8,10 @@
 #                                   # SANITIZE=<gtest filter> adds a compute-sanitizer memcheck;
 #                                   # NCU="64 4096" profiles the first two GEMMs at those sizes
 #
-# .bundle/ (or $BUNDLE_DIR, so several bundles can sit side by side) is git-ignored; hand it to the device tool as a carried path. The stripped binaries are
-# ~60 MB (each holds the fatbin), close to the tool's 64 MiB transfer limit, so `make` leaves them
-# as one gzip archive (.bundle/b.tgz, ~15 MB) and `run` unpacks it. Each step is bounded by
+# .bundle/ (or $BUNDLE_DIR, so several bundles can sit side by side) is git-ignored; hand it to
+# the device tool as a carried path. The stripped binaries are ~127 MB (each holds the fatbin),
+# over the tool's 64 MiB transfer limit, so `make` leaves them as one xz archive (.bundle/b.txz,
+# ~60 MB) and `run` unpacks it. Each step is bounded by
 # `timeout` so one hang cannot eat the whole call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,15 +36,16 @@ make_bundle() {
   if ! git diff --quiet HEAD -- kernels bench; then echo "+uncommitted" >> "$B"/commit; fi
   chmod u+w "$B"/*
   strip "$B"/{device_test,experts_cuda_test,staging_cuda_test,cuda_backend_versions_test,cuda_ipc_test,kernel_bench,staging_bench}
-  tar czf /tmp/moe_gpu_bundle.tgz -C "$B" .
-  rm -rf "$B" && mkdir "$B" && mv /tmp/moe_gpu_bundle.tgz "$B"/b.tgz
+  # xz: the seven binaries each hold the ~17 MB fatbin; gzip left 71 MB (over the transfer limit).
+  tar cf - -C "$B" . | xz -T0 -6 > /tmp/moe_gpu_bundle.txz
+  rm -rf "$B" && mkdir "$B" && mv /tmp/moe_gpu_bundle.txz "$B"/b.txz
   du -sh "$B"
 }
 
 run_bundle() {
   local out="${OUT:-/tmp/out}"
   mkdir -p "$out"
-  if [[ -f "$B"/b.tgz && ! -x "$B"/kernel_bench ]]; then tar xzf "$B"/b.tgz -C "$B"; fi
+  if [[ -f "$B"/b.txz && ! -x "$B"/kernel_bench ]]; then tar xJf "$B"/b.txz -C "$B"; fi
   export LD_LIBRARY_PATH="$PWD/$B/lib:${LD_LIBRARY_PATH:-}"
   local commit
   commit="$(tr '\n' ' ' < "$B"/commit)"

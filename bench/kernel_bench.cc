@@ -342,9 +342,8 @@ int Main() {
       time_with_stages("mma_sync_no_wgmma");
       runner.set_wgmma_min_tokens(cuda::ExpertRunner::kDefaultWgmmaMinTokens);
       // The other wgmma configurations (variant 1: 2 warpgroups x 2 m64 blocks, register weight
-      // ring; variant 2: 4 x 1, register weight ring; variant 3: as 0 with 2 k-steps per wgmma
-      // group).
-      for (int variant : {1, 2, 3}) {
+      // ring; variant 2: 4 x 1, register weight ring).
+      for (int variant : {1, 2}) {
         runner.set_gemm_variant(variant);
         time_with_stages(absl::StrCat("wgmma_variant", variant));
       }

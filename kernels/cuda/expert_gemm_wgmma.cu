@@ -47,9 +47,7 @@ template <int V>
 struct WgConfig {
   static constexpr int kGroups = V == 1 ? 2 : 4;   // warpgroups per CTA
   static constexpr int kBlocks = V == 1 ? 2 : 1;   // m64 blocks per warpgroup
-  static constexpr bool kSmemWeights = V == 0 || V == 3;
-  // k-steps per wgmma group (variant 3: 2, more independent dequantization per wait).
-  static constexpr int kStepsPerGroup = V == 3 ? 2 : 1;
+  static constexpr bool kSmemWeights = V == 0;
   static constexpr int kThreads = kGroups * 128;
   static constexpr int kCtaRows = kGroups * kBlocks * 64;  // 256 weight rows
   static constexpr int kCtaTiles = kCtaRows / kTileRows;   // 16
@@ -272,22 +270,19 @@ __device__ __forceinline__ void WgEpilogueY(const ExpertGemmParams& p, const Exp
   }
 }
 
-// SG k-steps from step0: one wgmma group per SG steps of a (block, chunk), so a warpgroup keeps up
-// to a chunk's groups in flight while it dequantizes the next steps. Before a[step0..] (read by
-// the group issued kGroups groups earlier: the same steps of the previous chunk) are rewritten,
-// at most kGroups - 1 groups may still be pending.
-template <class Fmt, int N, int SG, int kGroups>
-__device__ __forceinline__ void WgSteps(const uint4& v, const typename Fmt::Scale& sc, int step0,
-                                        uint32_t (&a)[kStepsPerChunk][4], float (&acc)[N / 2],
-                                        uint64_t stage_desc) {
+// One k-step: one wgmma group per (block, k-step), so a warpgroup keeps up to a chunk's groups
+// in flight while it dequantizes the next steps (one group per chunk serialized them; two steps
+// per group measured 5% slower). Before a[] (this step's A registers, read by the group issued
+// kGroups groups earlier: the same step of the previous chunk) is rewritten, at most kGroups - 1
+// groups may still be pending.
+template <class Fmt, int N, int kGroups>
+__device__ __forceinline__ void WgStep(const uint4& v, const typename Fmt::Scale& sc, int step,
+                                       uint32_t (&a)[4], float (&acc)[N / 2],
+                                       uint64_t stage_desc) {
   WgmmaWait<kGroups - 1>();
-#pragma unroll
-  for (int s = 0; s < SG; ++s) DequantStep<Fmt>(v, sc, step0 + s, a[step0 + s]);
+  DequantStep<Fmt>(v, sc, step, a);
   WgmmaFence();
-#pragma unroll
-  for (int s = 0; s < SG; ++s) {
-    WgmmaRs<N>::Run(acc, a[step0 + s], stage_desc + (step0 + s) * (32 >> 4));
-  }
+  WgmmaRs<N>::Run(acc, a, stage_desc + step * (32 >> 4));
   WgmmaCommit();
 }
 
@@ -351,7 +346,8 @@ __device__ __forceinline__ void WgBody(const ExpertGemmParams& p, const ExpertIt
       for (int b = 0; b < MB; ++b) {
 #pragma unroll
         for (int step = 0; step < kStepsPerChunk; ++step) {
-          WgSteps<Fmt, N, 1, kGroupsPerChunk>(v[pp][b], s[pp][b], step, a[b], acc[b], stage_desc);
+          WgStep<Fmt, N, kGroupsPerChunk>(v[pp][b], s[pp][b], step, a[b][step], acc[b],
+                                          stage_desc);
         }
       }
       stream.LoadIf(i + P < n, i + P, v[pp], s[pp]);
@@ -379,8 +375,7 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const Exp
   using Cfg = WgConfig<V>;
   using Scale = typename Fmt::Scale;
   constexpr int MB = Cfg::kBlocks, SB = kWgBStagesW, SW = kWgWStages;
-  constexpr int SG = Cfg::kStepsPerGroup;
-  constexpr int kGroupsPerChunk = MB * kStepsPerChunk / SG;
+  constexpr int kGroupsPerChunk = MB * kStepsPerChunk;
   static_assert(Cfg::kCtaTiles == 16 && SW >= SB);
   constexpr uint32_t kCodeStage = WgCodeStageBytes<Fmt>();
   constexpr uint32_t kScaleStage = WgScaleStageBytes<Fmt>();
@@ -448,8 +443,8 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const Exp
         LdShared(scale_stage + (slot * 8 + g) * 4, sc);
       }
 #pragma unroll
-      for (int step = 0; step < kStepsPerChunk; step += SG) {
-        WgSteps<Fmt, N, SG, kGroupsPerChunk>(v, sc, step, a[b], acc[b], stage_desc);
+      for (int step = 0; step < kStepsPerChunk; ++step) {
+        WgStep<Fmt, N, kGroupsPerChunk>(v, sc, step, a[b][step], acc[b], stage_desc);
       }
     }
     bstage = bstage == SB - 1 ? 0 : bstage + 1;
@@ -508,7 +503,7 @@ __global__ void __launch_bounds__(WgConfig<V>::kThreads, 1)
 
 using WgKernel = void (*)(ExpertGemmParams, int);
 // [variant][nvfp4][gemm2]
-constexpr int kWgVariants = 4;
+constexpr int kWgVariants = 3;
 struct WgLaunchEntry {
   WgKernel kernel;
   int smem;
@@ -528,7 +523,6 @@ WgLaunchEntry WgEntryOf(int nv, int gemm2) {
 WgLaunchEntry WgLookup(int v, int nv, int gemm2) {
   return v == 1   ? WgEntryOf<1>(nv, gemm2)
          : v == 2 ? WgEntryOf<2>(nv, gemm2)
-         : v == 3 ? WgEntryOf<3>(nv, gemm2)
                   : WgEntryOf<0>(nv, gemm2);
 }
 
