@@ -130,13 +130,7 @@ __device__ __forceinline__ void WarpMainloop(
     }
   }
   uint4 b[2][G][2];
-  if constexpr (Cfg::kPrefetchB) {
-#pragma unroll
-    for (int q = 0; q < G; ++q) {
-      b[0][q][0] = b[0][q][1] = b[1][q][0] = b[1][q][1] = make_uint4(0u, 0u, 0u, 0u);
-      LoadBIf(n > 0, b_rows[q], ks, b[0][q]);
-    }
-  }
+  if constexpr (Cfg::kPrefetchB) FirstBFragments<G>(n > 0, b_rows, ks, b);
   for (int i0 = 0; i0 < n; i0 += P) {
 #pragma unroll
     for (int pp = 0; pp < P; ++pp) {
@@ -195,11 +189,7 @@ __device__ __forceinline__ void WarpMainloopRing(const uint4* values,
     AllowDependents();
   }
   uint4 b[2][G][2];
-#pragma unroll
-  for (int q = 0; q < G; ++q) {
-    b[0][q][0] = b[0][q][1] = b[1][q][0] = b[1][q][1] = make_uint4(0u, 0u, 0u, 0u);
-    LoadBIf(n > 0, b_rows[q], ks, b[0][q]);
-  }
+  FirstBFragments<G>(n > 0, b_rows, ks, b);
   for (int i0 = 0; i0 < n; i0 += D) {
 #pragma unroll
     for (int d = 0; d < D; ++d) {

@@ -91,11 +91,7 @@ __device__ __forceinline__ void WarpMainloopBulk(const ExpertGemmParams& p, cons
     AllowDependents();
   }
   uint4 b[2][G][2];
-#pragma unroll
-  for (int q = 0; q < G; ++q) {
-    b[0][q][0] = b[0][q][1] = b[1][q][0] = b[1][q][1] = make_uint4(0u, 0u, 0u, 0u);
-    LoadBIf(n > 0, b_rows[q], c_begin, b[0][q]);
-  }
+  FirstBFragments<G>(n > 0, b_rows, c_begin, b);
   for (int j0 = 0; j0 < groups; j0 += D) {
     const uint32_t parity = static_cast<uint32_t>(j0 / D) & 1u;
 #pragma unroll

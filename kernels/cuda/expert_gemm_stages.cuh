@@ -222,6 +222,17 @@ __device__ __forceinline__ void LoadBIf(bool pred, const uint4* b_row, int chunk
   LoadIf(load, at + 1, b[1]);
 }
 
+// B registers of a two-chunk ping-pong, zeroed, with chunk `chunk` loaded into the first half.
+template <int G>
+__device__ __forceinline__ void FirstBFragments(bool load, const uint4* const (&b_rows)[G],
+                                                int chunk, uint4 (&b)[2][G][2]) {
+#pragma unroll
+  for (int q = 0; q < G; ++q) {
+    b[0][q][0] = b[0][q][1] = b[1][q][0] = b[1][q][1] = make_uint4(0u, 0u, 0u, 0u);
+    LoadBIf(load, b_rows[q], chunk, b[0][q]);
+  }
+}
+
 // Two k-steps (2u, 2u + 1) whose B registers are b[q] (x, y: step 2u; z, w: step 2u + 1).
 template <class Fmt, int RW, int G>
 __device__ __forceinline__ void MultiplyHalfChunk(const uint4 (&v)[RW],
