@@ -401,7 +401,7 @@ cudaError_t LaunchMaybeProgrammatic(void (*kernel)(Params...), unsigned blocks, 
 cudaError_t LaunchTiledGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
                             cudaStream_t stream);
 
-// The wgmma kernel (expert_gemm_wgmma.cu), for token_groups 16.
+// The wgmma kernel (expert_gemm_wgmma.cu), for token_groups kWgmmaTokenGroups (18).
 cudaError_t LaunchWgmmaGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
                             cudaStream_t stream);
 
