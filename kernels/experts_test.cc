@@ -2,6 +2,7 @@
 // weight element is decoded to double by this file's own E2M1/UE8M0/E4M3/BF16 decoders and the
 // whole layer is evaluated in double. Plus hand-derived cases and the INVALID_ARGUMENT paths.
 #include "kernels/experts.h"
+#include "kernels/sweep_cases.h"
 
 #include <algorithm>
 #include <cmath>
@@ -16,6 +17,8 @@
 
 namespace moe {
 namespace {
+
+using sweep::SweepCase;
 
 using Rng = std::mt19937_64;
 constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
@@ -320,16 +323,6 @@ std::vector<double> NaiveLayer(const TestModel& m, const TestInputs& in) {
 
 // ---- Random sweep ----------------------------------------------------------------------------
 
-struct SweepCase {
-  std::string name;
-  WeightFormat format;
-  GateUpLayout layout;
-  ActivationKind act;
-  int64_t tokens, experts, k, hidden, inter;
-  bool bias;
-  int shared;  // number of shared experts; a mask is sent whenever there are any
-  DType in_dtype, out_dtype;
-};
 
 // Variant 0 uses SITU's linear_beta branch, variant 1 passes u through.
 ActivationParams ParamsFor(ActivationKind kind, int variant) {
@@ -362,8 +355,6 @@ TestInputs RandomInputs(const SweepCase& c, Rng& rng) {
   }
   return in;
 }
-
-void PrintTo(const SweepCase& c, std::ostream* os) { *os << c.name; }
 
 class ExpertsSweepTest : public testing::TestWithParam<SweepCase> {};
 
@@ -431,44 +422,16 @@ std::vector<SweepCase> ShapeCases() {
   };
 }
 
-// Every format x layout x activation, with the other axes cycling.
+// Every format x layout x activation, the other axes cycling through these shapes.
 std::vector<SweepCase> ComboCases() {
-  struct Dims {
-    int64_t tokens, experts, k, hidden, inter;
-  };
-  static constexpr Dims kDims[] = {{3, 4, 2, 96, 160},  {17, 7, 4, 160, 96}, {1, 1, 1, 32, 32},
-                                   {64, 4, 1, 64, 224}, {17, 4, 4, 96, 96},  {3, 7, 2, 224, 32}};
-  static constexpr ActivationKind kActs[] = {ActivationKind::kSilu, ActivationKind::kSwigluOai,
-                                             ActivationKind::kSitu, ActivationKind::kGelu,
-                                             ActivationKind::kGeluTanh};
-  std::vector<SweepCase> cases;
-  int i = 0;
-  for (WeightFormat f : {kMx, kNv, kBf}) {
-    for (GateUpLayout l : {kInter, kConcat}) {
-      for (ActivationKind a : kActs) {
-        const Dims& s = kDims[i % 6];
-        cases.push_back({std::string(WeightFormatName(f)) + "_" +
-                             (l == kInter ? "interleaved" : "concatenated") + "_" +
-                             std::string(ActivationKindName(a)) + "_" + std::to_string(i),
-                         f, l, a, s.tokens, s.experts, s.k, s.hidden, s.inter, i % 2 == 0, i % 3,
-                         i % 4 < 2 ? kF : kB, i % 5 < 3 ? kF : kB});
-        ++i;
-      }
-    }
-  }
-  return cases;
+  return sweep::ComboCases({{3, 4, 2, 96, 160}, {17, 7, 4, 160, 96}, {1, 1, 1, 32, 32},
+                            {64, 4, 1, 64, 224}, {17, 4, 4, 96, 96}, {3, 7, 2, 224, 32}});
 }
 
-std::string CaseName(const testing::TestParamInfo<SweepCase>& info) {
-  std::string name = info.param.name;
-  for (char& ch : name) {
-    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-  }
-  return name;
-}
-
-INSTANTIATE_TEST_SUITE_P(Shapes, ExpertsSweepTest, testing::ValuesIn(ShapeCases()), CaseName);
-INSTANTIATE_TEST_SUITE_P(Combos, ExpertsSweepTest, testing::ValuesIn(ComboCases()), CaseName);
+INSTANTIATE_TEST_SUITE_P(Shapes, ExpertsSweepTest, testing::ValuesIn(ShapeCases()),
+                         sweep::SweepCaseName);
+INSTANTIATE_TEST_SUITE_P(Combos, ExpertsSweepTest, testing::ValuesIn(ComboCases()),
+                         sweep::SweepCaseName);
 
 // ---- Hand-derived cases ----------------------------------------------------------------------
 

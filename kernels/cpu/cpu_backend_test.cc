@@ -14,9 +14,12 @@
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/random_layer.h"
 #include "kernels/experts.h"
+#include "kernels/sweep_cases.h"
 
 namespace moe {
 namespace {
+
+using sweep::SweepCase;
 
 using cpu::MakeRandomLayer;
 using cpu::MakeRandomRequest;
@@ -32,18 +35,6 @@ constexpr GateUpLayout kConcat = GateUpLayout::kConcatenated;
 constexpr DType kF = DType::kF32;
 constexpr DType kB = DType::kBF16;
 
-struct SweepCase {
-  std::string name;
-  WeightFormat format;
-  GateUpLayout layout;
-  ActivationKind act;
-  int64_t tokens, experts, k, hidden, inter;
-  bool bias;
-  int shared;
-  DType in_dtype, out_dtype;
-};
-
-void PrintTo(const SweepCase& c, std::ostream* os) { *os << c.name; }
 
 // The instruction sets to test here: AVX2 always, the wider ones when present.
 std::vector<std::string> IsasHere() {
@@ -165,45 +156,18 @@ std::vector<SweepCase> ShapeCases() {
   };
 }
 
-// Every format x layout x activation, the other axes cycling (as kernels/experts_test.cc does).
+// Every format x layout x activation, the other axes cycling through these shapes (those of
+// kernels/experts_test.cc plus a 200-token one).
 std::vector<SweepCase> ComboCases() {
-  struct Dims {
-    int64_t tokens, experts, k, hidden, inter;
-  };
-  static constexpr Dims kDims[] = {{3, 4, 2, 96, 160},  {17, 7, 4, 160, 96}, {1, 1, 1, 32, 32},
-                                   {64, 4, 1, 64, 224}, {17, 4, 4, 96, 96},  {3, 7, 2, 224, 32},
-                                   {200, 5, 3, 64, 96}};
-  static constexpr ActivationKind kActs[] = {ActivationKind::kSilu, ActivationKind::kSwigluOai,
-                                             ActivationKind::kSitu, ActivationKind::kGelu,
-                                             ActivationKind::kGeluTanh};
-  std::vector<SweepCase> cases;
-  int i = 0;
-  for (WeightFormat f : {kMx, kNv, kBf}) {
-    for (GateUpLayout l : {kInter, kConcat}) {
-      for (ActivationKind a : kActs) {
-        const Dims& s = kDims[i % 7];
-        cases.push_back({std::string(WeightFormatName(f)) + "_" +
-                             (l == kInter ? "interleaved" : "concatenated") + "_" +
-                             std::string(ActivationKindName(a)) + "_" + std::to_string(i),
-                         f, l, a, s.tokens, s.experts, s.k, s.hidden, s.inter, i % 2 == 0, i % 3,
-                         i % 4 < 2 ? kF : kB, i % 5 < 3 ? kF : kB});
-        ++i;
-      }
-    }
-  }
-  return cases;
+  return sweep::ComboCases({{3, 4, 2, 96, 160}, {17, 7, 4, 160, 96}, {1, 1, 1, 32, 32},
+                            {64, 4, 1, 64, 224}, {17, 4, 4, 96, 96}, {3, 7, 2, 224, 32},
+                            {200, 5, 3, 64, 96}});
 }
 
-std::string CaseName(const testing::TestParamInfo<SweepCase>& info) {
-  std::string name = info.param.name;
-  for (char& ch : name) {
-    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-  }
-  return name;
-}
-
-INSTANTIATE_TEST_SUITE_P(Shapes, CpuBackendSweepTest, testing::ValuesIn(ShapeCases()), CaseName);
-INSTANTIATE_TEST_SUITE_P(Combos, CpuBackendSweepTest, testing::ValuesIn(ComboCases()), CaseName);
+INSTANTIATE_TEST_SUITE_P(Shapes, CpuBackendSweepTest, testing::ValuesIn(ShapeCases()),
+                         sweep::SweepCaseName);
+INSTANTIATE_TEST_SUITE_P(Combos, CpuBackendSweepTest, testing::ValuesIn(ComboCases()),
+                         sweep::SweepCaseName);
 
 // ---- Errors and options -------------------------------------------------------------------------
 
