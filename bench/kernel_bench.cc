@@ -29,6 +29,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_problem.h"
+#include "bench/gpu_bench_util.h"
 #include "kernels/cuda/expert_plan.h"
 #include "kernels/cuda/expert_runner.h"
 #include "kernels/experts.h"
@@ -53,55 +54,7 @@ namespace {
 
 using cuda::CudaStatus;
 
-#define BENCH_CHECK_OK(expr)                                                        \
-  do {                                                                              \
-    const absl::Status _s = (expr);                                                 \
-    if (!_s.ok()) {                                                                 \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, _s.ToString().c_str()); \
-      std::exit(1);                                                                 \
-    }                                                                               \
-  } while (0)
-#define CUDA_CHECK_OK(expr) BENCH_CHECK_OK(CudaStatus((expr), #expr))
 
-struct Stats {
-  double median = 0, p10 = 0, p90 = 0, min = 0, max = 0;
-};
-
-Stats Summarize(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  auto at = [&](double q) { return v[static_cast<size_t>(q * (v.size() - 1) + 0.5)]; };
-  return Stats{at(0.5), at(0.1), at(0.9), v.front(), v.back()};
-}
-
-nlohmann::json ToJson(const Stats& s) {
-  return {{"median_us", s.median}, {"p10_us", s.p10}, {"p90_us", s.p90}, {"min_us", s.min},
-          {"max_us", s.max}};
-}
-
-// Device-to-device copy of 1 GiB, bytes read plus written per second (median of 20).
-double CopyBandwidth(cudaStream_t stream) {
-  const size_t bytes = size_t{1} << 30;
-  cuda::DeviceBuffer a, b;
-  BENCH_CHECK_OK(a.Reserve(bytes));
-  BENCH_CHECK_OK(b.Reserve(bytes));
-  CUDA_CHECK_OK(cudaMemsetAsync(a.get(), 1, bytes, stream));
-  cudaEvent_t start, stop;
-  CUDA_CHECK_OK(cudaEventCreate(&start));
-  CUDA_CHECK_OK(cudaEventCreate(&stop));
-  std::vector<double> rates;
-  for (int i = 0; i < 23; ++i) {
-    CUDA_CHECK_OK(cudaEventRecord(start, stream));
-    CUDA_CHECK_OK(cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice, stream));
-    CUDA_CHECK_OK(cudaEventRecord(stop, stream));
-    CUDA_CHECK_OK(cudaEventSynchronize(stop));
-    float ms = 0;
-    CUDA_CHECK_OK(cudaEventElapsedTime(&ms, start, stop));
-    if (i >= 3) rates.push_back(2.0 * bytes / (ms * 1e-3));
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  return Summarize(rates).median;
-}
 
 // Device copies of one routing set.
 struct DeviceInputs {

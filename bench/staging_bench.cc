@@ -23,6 +23,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
+#include "bench/gpu_bench_util.h"
 #include "kernels/cuda/expert_runner.h"
 #include "kernels/cuda/staging_runner.h"
 #include "kernels/eplb.h"
@@ -43,50 +44,13 @@ using cuda::DeviceBuffer;
 using cuda::StagingFormat;
 using cuda::StagingParams;
 
-#define CHECK_OK(expr)                                                                 \
-  do {                                                                                 \
-    const absl::Status _s = (expr);                                                    \
-    if (!_s.ok()) {                                                                    \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, _s.ToString().c_str());  \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
-#define CUDA_OK(expr) CHECK_OK(cuda::CudaStatus((expr), #expr))
 
 constexpr int kExperts = 256;
 constexpr int kSlots = 288;
 constexpr int kTopK = 8;
 constexpr int64_t kHidden = 7168;
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
-// Device-to-device copy of 1 GiB: bytes read + written per second, median of 20.
-double CopyBandwidth(cudaStream_t stream) {
-  const size_t bytes = size_t{1} << 30;
-  DeviceBuffer a, b;
-  CHECK_OK(a.Reserve(bytes));
-  CHECK_OK(b.Reserve(bytes));
-  CUDA_OK(cudaMemsetAsync(a.get(), 1, bytes, stream));
-  cudaEvent_t start, stop;
-  CUDA_OK(cudaEventCreate(&start));
-  CUDA_OK(cudaEventCreate(&stop));
-  std::vector<double> rates;
-  for (int i = 0; i < 23; ++i) {
-    CUDA_OK(cudaEventRecord(start, stream));
-    CUDA_OK(cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice, stream));
-    CUDA_OK(cudaEventRecord(stop, stream));
-    CUDA_OK(cudaEventSynchronize(stop));
-    float ms = 0;
-    CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
-    if (i >= 3) rates.push_back(2.0 * bytes / (ms * 1e-3));
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  return Median(rates);
-}
 
 // One input set with its outputs.
 struct StagingSet {
@@ -104,14 +68,14 @@ std::unique_ptr<StagingSet> MakeSet(StagingFormat format, int64_t tokens,
   std::vector<int32_t> ids(tokens * kTopK);
   for (int32_t& id : ids) id = static_cast<int32_t>(rng() % kExperts);
   const bool mx = format == StagingFormat::kMxfp8;
-  CHECK_OK(s->x.Reserve(x.size() * 2));
-  CHECK_OK(s->q.Reserve(mx ? x.size() : x.size() / 2));
-  CHECK_OK(s->scales.Reserve(x.size() / (mx ? 128 : 64) * 4));
-  CHECK_OK(s->token_scale.Reserve(tokens * 4));
-  CHECK_OK(s->ids.Reserve(ids.size() * 4));
-  CHECK_OK(s->phys.Reserve(ids.size() * 4));
-  CUDA_OK(cudaMemcpy(s->x.get(), x.data(), x.size() * 2, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(s->ids.get(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+  BENCH_CHECK_OK(s->x.Reserve(x.size() * 2));
+  BENCH_CHECK_OK(s->q.Reserve(mx ? x.size() : x.size() / 2));
+  BENCH_CHECK_OK(s->scales.Reserve(x.size() / (mx ? 128 : 64) * 4));
+  BENCH_CHECK_OK(s->token_scale.Reserve(tokens * 4));
+  BENCH_CHECK_OK(s->ids.Reserve(ids.size() * 4));
+  BENCH_CHECK_OK(s->phys.Reserve(ids.size() * 4));
+  CUDA_CHECK_OK(cudaMemcpy(s->x.get(), x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+  CUDA_CHECK_OK(cudaMemcpy(s->ids.get(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
   StagingParams& p = s->params;
   p.format = format;
   p.x = s->x.as<const uint16_t>();
@@ -136,30 +100,30 @@ double TimeLaunches(const std::vector<std::unique_ptr<StagingSet>>& sets, int co
                     cudaStream_t stream) {
   cudaGraph_t graph;
   cudaGraphExec_t exec;
-  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  CUDA_CHECK_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   for (int c = 0; c < copies; ++c) {
-    for (const auto& s : sets) CHECK_OK(cuda::EnqueueStaging(s->params, stream));
+    for (const auto& s : sets) BENCH_CHECK_OK(cuda::EnqueueStaging(s->params, stream));
   }
-  CUDA_OK(cudaStreamEndCapture(stream, &graph));
-  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_CHECK_OK(cudaStreamEndCapture(stream, &graph));
+  CUDA_CHECK_OK(cudaGraphInstantiate(&exec, graph, 0));
   cudaEvent_t start, stop;
-  CUDA_OK(cudaEventCreate(&start));
-  CUDA_OK(cudaEventCreate(&stop));
+  CUDA_CHECK_OK(cudaEventCreate(&start));
+  CUDA_CHECK_OK(cudaEventCreate(&stop));
   std::vector<double> us;
   for (int i = 0; i < reps + 3; ++i) {
-    CUDA_OK(cudaEventRecord(start, stream));
-    CUDA_OK(cudaGraphLaunch(exec, stream));
-    CUDA_OK(cudaEventRecord(stop, stream));
-    CUDA_OK(cudaEventSynchronize(stop));
+    CUDA_CHECK_OK(cudaEventRecord(start, stream));
+    CUDA_CHECK_OK(cudaGraphLaunch(exec, stream));
+    CUDA_CHECK_OK(cudaEventRecord(stop, stream));
+    CUDA_CHECK_OK(cudaEventSynchronize(stop));
     float ms = 0;
-    CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
+    CUDA_CHECK_OK(cudaEventElapsedTime(&ms, start, stop));
     if (i >= 3) us.push_back(ms * 1e3 / (copies * sets.size()));
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
-  return Median(us);
+  return Summarize(us).median;
 }
 
 // Bytes one launch reads and writes (load atomics not counted: 288 counters).
@@ -174,10 +138,10 @@ double LaunchBytes(StagingFormat format, int64_t tokens) {
 
 int Main() {
   cudaStream_t stream;
-  CUDA_OK(cudaSetDevice(0));
-  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CUDA_CHECK_OK(cudaSetDevice(0));
+  CUDA_CHECK_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaDeviceProp prop{};
-  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+  CUDA_CHECK_OK(cudaGetDeviceProperties(&prop, 0));
   const double copy_bw = CopyBandwidth(stream);
   std::printf("device: %s; copy bandwidth %.3f TB/s (read + write)\n", prop.name, copy_bw / 1e12);
 
@@ -185,14 +149,14 @@ int Main() {
   std::vector<int32_t> p2l(kSlots);
   for (int s = 0; s < kSlots; ++s) p2l[s] = s < kExperts ? s : static_cast<int32_t>(rng() % kExperts);
   absl::StatusOr<LayerPlacement> placement = LayerPlacement::Create(p2l, kExperts);
-  CHECK_OK(placement.status());
+  BENCH_CHECK_OK(placement.status());
   absl::StatusOr<std::unique_ptr<cuda::DevicePlacement>> dp = cuda::UploadPlacement(*placement);
-  CHECK_OK(dp.status());
+  BENCH_CHECK_OK(dp.status());
   DeviceBuffer load, hosted;
-  CHECK_OK(load.Reserve(kSlots * 8));
-  CHECK_OK(hosted.Reserve(kSlots));
-  CUDA_OK(cudaMemset(load.get(), 0, kSlots * 8));
-  CUDA_OK(cudaMemset(hosted.get(), 1, kSlots));
+  BENCH_CHECK_OK(load.Reserve(kSlots * 8));
+  BENCH_CHECK_OK(hosted.Reserve(kSlots));
+  CUDA_CHECK_OK(cudaMemset(load.get(), 0, kSlots * 8));
+  CUDA_CHECK_OK(cudaMemset(hosted.get(), 1, kSlots));
 
   const std::vector<std::string> formats = absl::GetFlag(FLAGS_formats);
   nlohmann::json points = nlohmann::json::array();
