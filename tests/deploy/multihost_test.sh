@@ -69,20 +69,8 @@ done
 echo "namespaces: ${NAMESPACES[*]}"
 for h in "${HOSTS[@]}"; do echo "  $h: $(ip -n "$TAG-$h" -brief addr show dev eth0)"; done
 
-# Bounded polling until a process has written its complete "PORT\n" line.
-wait_port() {
-  local file="$1" pid="$2"
-  for _ in $(seq 1 1200); do
-    if [[ -f "$file" ]] && [[ "$(tail -c 1 "$file" | od -An -c | tr -d ' ')" == '\n' ]]; then
-      tr -d '\n' <"$file"
-      return 0
-    fi
-    kill -0 "$pid" 2>/dev/null || { echo "process $pid exited before writing $file" >&2; return 1; }
-    sleep 0.05
-  done
-  echo "timed out waiting for $file" >&2
-  return 1
-}
+# shellcheck source=tests/lib/servers.sh
+source "$RUNFILES/tests/lib/servers.sh"  # wait_port
 
 # --- the cluster --------------------------------------------------------------------------------
 "$MOECTL" gen-model --out "$WORK/model" --format mxfp4 --layers 2 --experts 8 --top_k 2 \

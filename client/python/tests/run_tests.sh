@@ -15,34 +15,10 @@ RUNFILES="${TEST_SRCDIR:?run under bazel test}/moe_serve"
 WORK="$(mktemp -d "${TEST_TMPDIR:?}/pyclient.XXXXXX")"
 PIDS=()
 
-cleanup() {
-  local rc=$?
-  for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-  if ((rc != 0)); then
-    for log in "$WORK"/*.log; do
-      [[ -f "$log" ]] && { echo "=== $log"; tail -n 40 "$log"; } >&2
-    done
-  fi
-  exit "$rc"
-}
-trap cleanup EXIT
+# shellcheck source=tests/lib/servers.sh
+source "$RUNFILES/tests/lib/servers.sh"
+trap stop_servers EXIT
 trap 'exit 143' TERM INT
-
-# Bounded polling until a server has written its complete "PORT\n" line.
-wait_port() {
-  local file="$1" pid="$2"
-  for _ in $(seq 1 1200); do
-    if [[ -f "$file" ]] && [[ "$(tail -c 1 "$file" | od -An -c | tr -d ' ')" == '\n' ]]; then
-      tr -d '\n' <"$file"
-      return 0
-    fi
-    kill -0 "$pid" 2>/dev/null || { echo "process $pid exited before writing $file" >&2; return 1; }
-    sleep 0.05
-  done
-  echo "timed out waiting for $file" >&2
-  return 1
-}
 
 # --- install into a fresh venv ------------------------------------------------------------------
 mkdir -p "$WORK/src/client"
