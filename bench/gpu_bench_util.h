@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -70,6 +72,13 @@ inline double CopyBandwidth(cudaStream_t stream) {
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   return Summarize(rates).median;
+}
+
+// Writes the results to `path` (nothing when empty) and says so.
+inline void WriteJson(const std::string& path, const nlohmann::json& out) {
+  if (path.empty()) return;
+  std::ofstream(path) << out.dump(2) << "\n";
+  std::printf("wrote %s\n", path.c_str());
 }
 
 }  // namespace moe::bench

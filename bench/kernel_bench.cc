@@ -474,11 +474,7 @@ int Main() {
        "programmatic dependent launch on; stage split from plain "
        "launches with events between the kernels"},
       {"points", points}};
-  const std::string path = absl::GetFlag(FLAGS_out_json);
-  if (!path.empty()) {
-    std::ofstream(path) << out.dump(2) << "\n";
-    std::printf("wrote %s\n", path.c_str());
-  }
+  WriteJson(absl::GetFlag(FLAGS_out_json), out);
   return 0;
 }
 

@@ -200,11 +200,7 @@ int Main() {
       {"copy_bandwidth_TBps", copy_bw / 1e12},
       {"placement", {{"logical", kExperts}, {"slots", kSlots}, {"top_k", kTopK}}},
       {"points", points}};
-  const std::string path = absl::GetFlag(FLAGS_out_json);
-  if (!path.empty()) {
-    std::ofstream(path) << out.dump(2) << "\n";
-    std::printf("wrote %s\n", path.c_str());
-  }
+  WriteJson(absl::GetFlag(FLAGS_out_json), out);
   return 0;
 }
 
