@@ -385,9 +385,13 @@ int Main() {
       runner.set_fold_grouped(false);
       // Smaller token tiles than the plan's choice: more items, each expert's weights re-read
       // (from L2 when the items run together), the few-token kernels instead of the tiled one.
-      for (int groups : {2, 4}) {
+      for (int groups : {1, 2, 4}) {
+        const std::string name = absl::StrCat("token_groups_", groups);
         if (groups >= sets[0]->plan.token_groups) continue;
-        if (!wanted.empty()) continue;
+        if (!wanted.empty() && std::find(wanted_names.begin(), wanted_names.end(), name) ==
+                                   wanted_names.end()) {
+          continue;
+        }
         std::vector<cuda::RoutePlan> saved;
         for (auto& set : sets) {
           saved.push_back(set->plan);
@@ -395,7 +399,6 @@ int Main() {
           BENCH_CHECK_OK(runner.Reserve(layer, set->plan));
         }
         const Stats st = Summarize(TimeGraph(layer, runner, sets, false, reps, stream));
-        const std::string name = absl::StrCat("token_groups_", groups);
         std::printf("      %-16s median %8.1f us (p10 %8.1f p90 %8.1f)\n", name.c_str(),
                     st.median, st.p10, st.p90);
         extras.push_back({{"name", name}, {"device_graph", ToJson(st)}});

@@ -29,7 +29,9 @@ struct RoutePlan {
 int ChooseTokenGroups(int64_t max_count);
 
 // ids: [tokens, top_k] local slots or -1 (validated by the caller); shared_mask: [tokens] or
-// null. Shared slots count only when the mask is given and num_shared > 0.
+// null. Shared slots count only when the mask is given and num_shared > 0. The token tile is
+// ChooseTokenGroups(max_count), except that 1 replaces 2 when 8-token items are at most 1/8 more
+// items than 16-token ones.
 RoutePlan PlanRoutes(const int32_t* ids, int64_t tokens, int64_t top_k,
                      const uint8_t* shared_mask, int num_experts, int num_shared);
 

@@ -50,6 +50,24 @@ TEST(ExpertPlanTest, BusySlotsSplitIntoItemsOf64) {
   EXPECT_EQ(plan.active_slots, 1);
 }
 
+TEST(ExpertPlanTest, OneGroupWhenFewSlotsSplit) {
+  // 17 slots, top-1. Slot 0 has 9 tokens, slots 1..16 one each: 16-token items 17, 8-token items
+  // 18 (<= 17 * 9 / 8): one group, slot 0 in two items.
+  std::vector<int32_t> ids(9, 0);
+  for (int32_t s = 1; s <= 16; ++s) ids.push_back(s);
+  const RoutePlan few = PlanRoutes(ids.data(), static_cast<int64_t>(ids.size()), 1, nullptr, 17, 0);
+  EXPECT_EQ(few.max_count, 9);
+  EXPECT_EQ(few.token_groups, 1);
+  EXPECT_EQ(few.num_items, 18);
+  // Slots 0..3 with 9 tokens each and nothing else: 4 items against 8: two groups.
+  std::vector<int32_t> busy;
+  for (int32_t s = 0; s < 4; ++s) busy.insert(busy.end(), 9, s);
+  const RoutePlan many =
+      PlanRoutes(busy.data(), static_cast<int64_t>(busy.size()), 1, nullptr, 4, 0);
+  EXPECT_EQ(many.token_groups, 2);
+  EXPECT_EQ(many.num_items, 4);
+}
+
 TEST(ExpertPlanTest, SmallerTilesMeanMoreItems) {
   const std::vector<int32_t> ids(70, 1);
   const RoutePlan plan = WithTokenGroups(PlanRoutes(ids.data(), 70, 1, nullptr, 2, 0), 2);

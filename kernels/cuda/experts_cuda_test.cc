@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/device.h"
+#include "kernels/cuda/expert_plan.h"
 #include "kernels/experts.h"
 #include "kernels/formats.h"
 
@@ -265,6 +266,13 @@ TEST_P(ExpertsCudaTest, MatchesReference) {
   for (int64_t tokens : c.tokens) {
     std::unique_ptr<HostRequest> r = RandomRequest(c, tokens, rng);
     ASSERT_TRUE(RunExpertsReference(layer.layer, r->request).ok());
+    // The tile the plan picks (PlanRoutes, as the backend does), printed: for the C-routing case
+    // at 96 tokens nearly always 8-token items with a few slots split in two.
+    const cuda::RoutePlan plan =
+        cuda::PlanRoutes(r->ids.data(), tokens, c.top_k, nullptr, c.experts, 0);
+    std::printf("[plan] %s T=%lld token_groups=%d items=%lld active=%d max=%d\n", c.name.c_str(),
+                static_cast<long long>(tokens), plan.token_groups,
+                static_cast<long long>(plan.num_items), plan.active_slots, plan.max_count);
     const std::vector<double> ref = OutputAsDouble(r->request.out);
     for (size_t variant = 0; variant < backends_.size(); ++variant) {
       ExpertBackend& backend = *backends_[variant];
@@ -324,6 +332,10 @@ INSTANTIATE_TEST_SUITE_P(
                   512, 64, 6, false, 1, DType::kF32, DType::kF32, kTokens},
         LayerCase{"mxfp4_silu_large_T", kMx, Act(ActivationKind::kSilu), kIl, 256, 128, 64, 4,
                   true, 0, DType::kBF16, DType::kBF16, {4096}},
+        // Problem C's routing at 64 tokens (E=128, top-8): a few slots over 8 tokens, so the
+        // plan takes 8-token items and splits those slots (PlanRoutes).
+        LayerCase{"mxfp4_silu_c_routing", kMx, Act(ActivationKind::kSilu), kCat, 256, 128, 128,
+                  8, false, 0, DType::kBF16, DType::kBF16, {64, 96}},
         // Large T on padded shapes (H, I not multiples of 64) for the wgmma kernel; H = I = 2880
         // with 144-token items and remainders: the two 2880 cases above at T = 333 (v4, v5).
         LayerCase{"nvfp4_situ_large_T_pad", kNv, Act(ActivationKind::kSitu, 1.5f, 2.f), kIl, 336,
