@@ -72,21 +72,18 @@ run_bundle() {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu \
     --format=csv | tee "$out/gpu.txt"
   has device_test && timeout 60 "$B"/device_test 2>&1 | tail -3
-  if has staging_cuda_test; then
-    timeout 60 "$B"/staging_cuda_test > "$out/staging_cuda_test.log" 2>&1
-    grep -E "FAILED|PASSED|Failure" "$out/staging_cuda_test.log"
-  fi
-  if has cuda_backend_versions_test; then
-    timeout 60 "$B"/cuda_backend_versions_test > "$out/cuda_backend_versions_test.log" 2>&1
-    grep -E "FAILED|PASSED|Failure|during upload" "$out/cuda_backend_versions_test.log"
-  fi
-  if has cuda_ipc_test; then
-    timeout 120 "$B"/cuda_ipc_test > "$out/cuda_ipc_test.log" 2>&1
-    grep -E "FAILED|PASSED|Failure|client:" "$out/cuda_ipc_test.log"
-  fi
+  # A GPU test, when in the bundle: its log into $OUT, the lines matching the pattern shown.
+  run_logged() {
+    local name="$1" limit="$2" pattern="$3"
+    has "$name" || return 0
+    timeout "$limit" "$B/$name" > "$out/$name.log" 2>&1
+    grep -E "$pattern" "$out/$name.log"
+  }
+  run_logged staging_cuda_test 60 "FAILED|PASSED|Failure"
+  run_logged cuda_backend_versions_test 60 "FAILED|PASSED|Failure|during upload"
+  run_logged cuda_ipc_test 120 "FAILED|PASSED|Failure|client:"
+  run_logged experts_cuda_test 240 "FAILED|PASSED|Failure|error"
   if has experts_cuda_test; then
-    timeout 240 "$B"/experts_cuda_test > "$out/experts_cuda_test.log" 2>&1
-    grep -E "FAILED|PASSED|Failure|error" "$out/experts_cuda_test.log"
     awk '/cuda-vs-ref/ {n++; split($5, a, "="); if (a[2] + 0 > m) m = a[2] + 0}
          END {print n " comparisons, max rel_err " m}' "$out/experts_cuda_test.log"
   fi
