@@ -270,6 +270,31 @@ __device__ __forceinline__ void WgEpilogueY(const ExpertGemmParams& p, const Exp
   }
 }
 
+// Accumulators of MB m64 blocks, zeroed.
+template <int MB, int H>
+__device__ __forceinline__ void WgZero(float (&acc)[MB][H]) {
+#pragma unroll
+  for (int b = 0; b < MB; ++b)
+#pragma unroll
+    for (int e = 0; e < H; ++e) acc[b][e] = 0.f;
+}
+
+// After the last chunk: wait for every wgmma group, then each block's epilogue (block b: tile
+// tile_base + 4 b).
+template <bool kGemm1, int MB, int N>
+__device__ __forceinline__ void WgFinish(const ExpertGemmParams& p, const ExpertItem& item,
+                                         int tile_base, int lane, const float (&acc)[MB][N / 2]) {
+  WgmmaWait<0>();
+#pragma unroll
+  for (int b = 0; b < MB; ++b) {
+    if constexpr (kGemm1) {
+      WgEpilogueAct<N>(p, item, tile_base + 4 * b, lane, acc[b]);
+    } else {
+      WgEpilogueY<N>(p, item, tile_base + 4 * b, lane, acc[b]);
+    }
+  }
+}
+
 // One k-step: one wgmma group per (block, k-step), so a warpgroup keeps up to a chunk's groups
 // in flight while it dequantizes the next steps (one group per chunk serialized them; two steps
 // per group measured 5% slower). Before a[] (this step's A registers, read by the group issued
@@ -321,10 +346,7 @@ __device__ __forceinline__ void WgBody(const ExpertGemmParams& p, const ExpertIt
   }
 
   float acc[MB][N / 2];
-#pragma unroll
-  for (int b = 0; b < MB; ++b)
-#pragma unroll
-    for (int e = 0; e < N / 2; ++e) acc[b][e] = 0.f;
+  WgZero(acc);
   uint32_t a[MB][kStepsPerChunk][4];
   const uint64_t desc_base = SmemDescriptor(smem_base);
 
@@ -354,15 +376,7 @@ __device__ __forceinline__ void WgBody(const ExpertGemmParams& p, const ExpertIt
       stage = stage == S - 1 ? 0 : stage + 1;
     }
   }
-  WgmmaWait<0>();
-#pragma unroll
-  for (int b = 0; b < MB; ++b) {
-    if constexpr (kGemm1) {
-      WgEpilogueAct<N>(p, item, tile_base + 4 * b, lane, acc[b]);
-    } else {
-      WgEpilogueY<N>(p, item, tile_base + 4 * b, lane, acc[b]);
-    }
-  }
+  WgFinish<kGemm1, MB, N>(p, item, tile_base, lane, acc);
 }
 
 // Variant 0: weights through the shared-memory ring. Per chunk i (one cp.async group: B of chunk
@@ -406,10 +420,7 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const Exp
   }
 
   float acc[MB][N / 2];
-#pragma unroll
-  for (int b = 0; b < MB; ++b)
-#pragma unroll
-    for (int e = 0; e < N / 2; ++e) acc[b][e] = 0.f;
+  WgZero(acc);
   uint32_t a[MB][kStepsPerChunk][4];
   const uint64_t desc_base = SmemDescriptor(smem_base);
 
@@ -450,15 +461,7 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const Exp
     bstage = bstage == SB - 1 ? 0 : bstage + 1;
     wstage = wstage == SW - 1 ? 0 : wstage + 1;
   }
-  WgmmaWait<0>();
-#pragma unroll
-  for (int b = 0; b < MB; ++b) {
-    if constexpr (kGemm1) {
-      WgEpilogueAct<N>(p, item, tile_base + 4 * b, lane, acc[b]);
-    } else {
-      WgEpilogueY<N>(p, item, tile_base + 4 * b, lane, acc[b]);
-    }
-  }
+  WgFinish<kGemm1, MB, N>(p, item, tile_base, lane, acc);
 }
 
 template <class Fmt, bool kGemm1, int V, int N>
