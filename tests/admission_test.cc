@@ -258,6 +258,11 @@ TEST_F(AdmissionTest, ExpiredRequestIsDroppedNotRun) {
   ASSERT_EQ(service_->queued_requests(), 1u);
   b.join();
   EXPECT_EQ(b_status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  // The server's copy of the deadline comes from the grpc-timeout header: the remaining time,
+  // rounded up, counted from the server's receipt. It can pass a little after the client's
+  // (CI saw bob run when alice's batch finished right after the client gave up), so the gate
+  // opens only once the server's deadline has surely passed too.
+  absl::SleepFor(absl::Milliseconds(500));
 
   backend_->Open();
   a.join();
