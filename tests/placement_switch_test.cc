@@ -51,6 +51,9 @@ class PlacementSwitchTest : public ::testing::Test {
     options.num_shards = shards;
     options.redundant_slots = redundant;
     options.heartbeat_ms = 100;
+    // Dead after 1 s of silence: with the default 3 missed heartbeats (300 ms) both healthy shards
+    // of a loaded 2-core machine were once removed mid-test (silent for 332 and 369 ms).
+    coordinator_flags.push_back("--missed_heartbeats=10");
     options.coordinator_flags = std::move(coordinator_flags);
     absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(options);
     ASSERT_TRUE(cluster.ok()) << cluster.status();
