@@ -16,6 +16,8 @@ usage: ./moe bench NAME [ARGS...]
              bench/gpu_bundle.sh for running it on the GPU machine)
   staging    bench/staging_bench: CUDA staging kernels (needs a GPU)
   fuzz       bench/fuzz/run.sh: libFuzzer targets (same as ./moe fuzz)
+  sass       bench/sass_budget.py: static SASS instruction budget of the CUDA GEMM main loops
+             (no GPU needed: nvcc here, cuobjdump from its PyPI wheel)
 
 ARGS go to the benchmark (each answers --help). Results land in bench/results/.
 USAGE
@@ -26,6 +28,7 @@ shift || true
 case "$name" in
   cpu|eplb|rpc|metrics|kernel|staging) target="//bench:${name}_bench" ;;
   fuzz) exec bench/fuzz/run.sh "$@" ;;
+  sass) exec python3 bench/sass_budget.py "$@" ;;
   ""|-h|--help) usage; exit 0 ;;
   *) usage >&2; echo "bench: unknown benchmark '$name'" >&2; exit 2 ;;
 esac
