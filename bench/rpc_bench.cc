@@ -61,6 +61,9 @@ ABSL_FLAG(int64_t, max_inflight_mib, 128, "skip cases where clients * payload ex
 ABSL_FLAG(std::string, backend, "cpu",
           "shard backend (what moe_shard --backend=auto picks without a GPU; no expert runs)");
 ABSL_FLAG(bool, tune_allocator, true, "raise glibc's mmap threshold (as moe_shard does)");
+ABSL_FLAG(int64_t, channel_spin_us, -1,
+          "channel mode: microseconds the client polls for the answer before its futex wait "
+          "(ShmChannel::set_spin); -1 keeps the library default (kShmChannelSpin), 0 never polls");
 
 namespace moe {
 namespace {
@@ -136,6 +139,9 @@ class Client {
         std::exit(1);
       }
       shm_channel_client_ = *std::move(c);
+      if (const int64_t spin = absl::GetFlag(FLAGS_channel_spin_us); spin >= 0) {
+        shm_channel_client_->set_spin(absl::Microseconds(spin));
+      }
       std::memcpy(shm_channel_client_->data().data(), payload_.data(), payload_.size());
       *shm_request_.mutable_request() = header_;
       shm_request_.mutable_hidden_states()->set_length(payload_.size());
@@ -422,6 +428,9 @@ int Main() {
       {"cpus", std::thread::hardware_concurrency()},
       {"backend", options.backend},
       {"allocator_tuned", tuned},
+      {"channel_spin_us", absl::GetFlag(FLAGS_channel_spin_us) >= 0
+                              ? absl::GetFlag(FLAGS_channel_spin_us)
+                              : static_cast<int64_t>(kShmChannelSpin.count())},
       {"note", "routes all -1: transport + staging, no expert compute; effective_gbps = 2 * "
                "payload_bytes * calls / wall_s (request + response payloads)"},
       {"tcp_loopback_gbps", tcp_gbps},

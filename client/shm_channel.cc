@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -96,6 +97,12 @@ ShmChannel::~ShmChannel() {
   }
 }
 
+void ShmChannel::set_spin(absl::Duration spin) {
+  absl::MutexLock lock(&mu_);
+  spin_ = std::chrono::microseconds(
+      std::max<int64_t>(0, absl::ToInt64Microseconds(spin)));
+}
+
 absl::Status ShmChannel::Forward(v1::ShmForwardRequest request, v1::ForwardResponse* response,
                                  absl::Duration timeout) {
   for (v1::SharedMemoryRef* ref : {request.mutable_hidden_states(), request.mutable_output()}) {
@@ -115,18 +122,26 @@ absl::Status ShmChannel::Forward(v1::ShmForwardRequest request, v1::ForwardRespo
   const uint32_t seq = ++seq_;
   block->request_seq.store(seq, std::memory_order_release);
   FutexWakeAll(&block->request_seq);
+  const auto posted = std::chrono::steady_clock::now();
   const absl::Time deadline = absl::Now() + timeout;
+  if (spin_.count() > 0 && (last_wait_ <= spin_ || ++unpolled_ >= 16)) {
+    unpolled_ = 0;
+    SpinWhileEquals(&block->response_seq, block->response_seq.load(std::memory_order_acquire),
+                    spin_);
+  }
   while (true) {
     const uint32_t got = block->response_seq.load(std::memory_order_acquire);
     if (got == seq) break;
     const absl::Duration left = deadline - absl::Now();
     if (left <= absl::ZeroDuration()) {
+      last_wait_ = std::chrono::steady_clock::now() - posted;
       return absl::DeadlineExceededError(
           absl::StrCat("no answer on shared-memory channel ", channel_id_, " within ",
                        absl::FormatDuration(timeout)));
     }
     FutexWait(&block->response_seq, got, absl::ToTimespec(std::min(left, absl::Milliseconds(100))));
   }
+  last_wait_ = std::chrono::steady_clock::now() - posted;
   const uint32_t len = std::min<uint32_t>(block->response_len, kShmChannelResponseBytes);
   const int32_t code = block->status_code;
   if (code != 0) {

@@ -12,6 +12,7 @@
 #ifndef MOE_CLIENT_SHM_CHANNEL_H_
 #define MOE_CLIENT_SHM_CHANNEL_H_
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -46,6 +47,14 @@ class ShmChannel {
   absl::Status Forward(v1::ShmForwardRequest request, v1::ForwardResponse* response,
                        absl::Duration timeout = absl::Seconds(30));
 
+  // How long Forward may poll for the answer before it sleeps on the futex (default
+  // kShmChannelSpin, 50 us: a one-token round trip then takes microseconds rather than a futex
+  // wake-up). It polls only while the previous answer came within that time (and every 16th
+  // request otherwise, to notice when answers are quick again), so requests that take longer, or
+  // a host with more waiting clients than cores, mostly fall back to the futex alone. Zero never
+  // polls.
+  void set_spin(absl::Duration spin) ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   ShmChannel() = default;
 
@@ -60,6 +69,10 @@ class ShmChannel {
   bool registered_ = false;
   absl::Mutex mu_;
   uint32_t seq_ ABSL_GUARDED_BY(mu_) = 0;
+  std::chrono::microseconds spin_ ABSL_GUARDED_BY(mu_) = kShmChannelSpin;
+  // Post-to-answer time of the previous request (zero before the first).
+  std::chrono::steady_clock::duration last_wait_ ABSL_GUARDED_BY(mu_){};
+  int unpolled_ ABSL_GUARDED_BY(mu_) = 0;  // requests since the last poll
   std::string scratch_ ABSL_GUARDED_BY(mu_);
 };
 

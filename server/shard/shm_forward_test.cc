@@ -7,11 +7,14 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -290,6 +293,8 @@ TEST_F(ShmForwardTest, ChannelAnswersLikeForward) {
   absl::StatusOr<std::unique_ptr<ShmChannel>> channel = ShmChannel::Open(grpc_channel, 8192);
   ASSERT_TRUE(channel.ok()) << channel.status();
   for (int i = 0; i < 50; ++i) {
+    // Half the requests wait on the futex alone, half poll first (the default).
+    (*channel)->set_spin(i % 2 == 0 ? absl::ZeroDuration() : absl::Microseconds(50));
     std::memcpy((*channel)->data().data(), payload.data(), kIn);
     std::memset((*channel)->data().data() + kIn, 0xFF, kOut);  // poisoned: NaN if not written
     v1::ShmForwardRequest req = shm;  // ranges [0, kIn) and [kIn, kIn + kOut) of data()
@@ -311,6 +316,25 @@ TEST_F(ShmForwardTest, ChannelAnswersLikeForward) {
   ASSERT_TRUE(Register("e", key_, kRegion).ok());
   ExpectStillServing("e");
   EXPECT_TRUE(Unregister("e").ok());
+}
+
+// The poll before the futex wait: it returns as soon as the word changes, and gives up (false)
+// once its budget has passed with the word unchanged; a zero budget does not poll at all.
+TEST(ShmChannelSpinTest, SpinSeesChangeAndGivesUp) {
+  std::atomic<uint32_t> word{7};
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_FALSE(SpinWhileEquals(&word, 7, std::chrono::microseconds(2000)));
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::microseconds(2000));
+  EXPECT_FALSE(SpinWhileEquals(&word, 7, std::chrono::microseconds(0)));
+  EXPECT_FALSE(SpinWhileEquals(&word, 6, std::chrono::microseconds(0)));  // not even one look
+  EXPECT_TRUE(SpinWhileEquals(&word, 6, std::chrono::microseconds(1)));
+  std::thread writer([&word] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    word.store(8, std::memory_order_release);
+  });
+  EXPECT_TRUE(SpinWhileEquals(&word, 7, std::chrono::seconds(30)));
+  EXPECT_EQ(word.load(), 8u);
+  writer.join();
 }
 
 // Opening a channel: each bad argument gets its precise status; closing an unknown one NOT_FOUND.
