@@ -69,9 +69,9 @@ inline void FutexWakeAll(std::atomic<uint32_t>* word) {
 }
 
 // How long a waiter polls the word before it sleeps on the futex. A futex wake-up costs tens of
-// microseconds on a busy or virtualized host (the channel's one-token round trip measured p50 19 us
-// on a quiet 2-core VM and 85-106 us on the same VM later); a short poll catches an answer that is
-// already on its way for the price of that much CPU.
+// microseconds on a busy or virtualized host (the channel's one-token round trip, futex only:
+// p50 19 us on a quiet 2-core VM, 77-113 us on the same VM later; bench/results/NOTES-cpu.md);
+// a short poll catches an answer that is already on its way for the price of that much CPU.
 inline constexpr std::chrono::microseconds kShmChannelSpin{50};
 
 // Polls while *word == expected for at most `budget`, yielding the core between rounds of 64
