@@ -381,13 +381,16 @@ __device__ __forceinline__ void EpilogueY(const ExpertGemmParams& p, const Exper
   }
 }
 
-// Launches `kernel` on a 1-D grid, with the programmatic-dependent-launch attribute when asked.
+// Launches `kernel` on a 1-D grid with `smem_bytes` of dynamic shared memory, with the
+// programmatic-dependent-launch attribute when asked.
 template <typename... Params, typename... Args>
-cudaError_t LaunchMaybeProgrammatic(void (*kernel)(Params...), unsigned blocks, unsigned threads,
-                                    bool programmatic, cudaStream_t stream, Args... args) {
+cudaError_t LaunchMaybeProgrammaticShared(void (*kernel)(Params...), unsigned blocks,
+                                          unsigned threads, int smem_bytes, bool programmatic,
+                                          cudaStream_t stream, Args... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(blocks);
   config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
   config.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -395,6 +398,11 @@ cudaError_t LaunchMaybeProgrammatic(void (*kernel)(Params...), unsigned blocks, 
   config.attrs = attr;
   config.numAttrs = programmatic ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, args...);
+}
+template <typename... Params, typename... Args>
+cudaError_t LaunchMaybeProgrammatic(void (*kernel)(Params...), unsigned blocks, unsigned threads,
+                                    bool programmatic, cudaStream_t stream, Args... args) {
+  return LaunchMaybeProgrammaticShared(kernel, blocks, threads, 0, programmatic, stream, args...);
 }
 
 // The tiled kernel family (expert_gemm_tiled.cu), for token_groups 4 and 8.

@@ -11,6 +11,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "kernels/cuda/expert_gemm_stages.cuh"
@@ -187,12 +188,188 @@ __global__ void __launch_bounds__(TiledConfig<G, V>::kThreads, TiledConfig<G, V>
   }
 }
 
+// Variant 4 (G = 4): the weights of the warp's RW tiles come through a per-warp shared-memory
+// ring filled by bulk copies (cp.async.bulk, completed on one mbarrier per ring slot, issued by
+// lane 0) instead of the register ring: the 8-chunk register ring (64 registers) of variant 0 is
+// what held it to 2 CTAs per SM (221 registers); without it 4 CTAs of 4 warps fit (16 warps per
+// SM, twice the warps to hide the HMMA and load latencies), with (D - 1) x C chunks per tile in
+// flight that cost no registers. B stages as in the other variants (cp.async, a CTA barrier per
+// chunk). Ring slot layout: per tile r, C chunks of codes (512 bytes each) then their C x 8
+// scale words; a tile's chunks and its scale words are contiguous in the packing, so a group is
+// 2 RW bulk copies.
+template <class Fmt, int W>
+struct TiledBulkConfig {
+  static constexpr int kWarps = W;
+  // CTAs per SM the registers must allow: G = 4: 4 of 4 warps or 2 of 8 (<= 128 registers; 89
+  // to 109 used). G = 8 (64 accumulators): 3 of 4 warps (its B stages leave shared memory for 3).
+  static constexpr int MinBlocks(int groups) { return groups >= 8 ? 3 : W == 4 ? 4 : 2; }
+  static constexpr int kRw = 2;
+  static constexpr int kStages = 3;
+  static constexpr int kGroup = 2;  // chunks per ring slot
+  static constexpr int kScaleBytes = 8 * static_cast<int>(sizeof(typename Fmt::Scale));
+  // 4 slots for MXFP4, 3 for NVFP4 (its 128-byte scale groups): 4 CTAs of 4 warps (or 2 of 8)
+  // fit the 227 KB of an SM.
+  static constexpr int kSlots = sizeof(typename Fmt::Scale) == 4 ? 4 : 3;
+  static constexpr int kTileBytes = kGroup * (kChunkBytes + kScaleBytes);  // one tile's group
+  static constexpr int kSlotBytes = kRw * kTileBytes;
+  static constexpr int kWarpBytes = kSlots * kSlotBytes;
+  static constexpr int kThreads = kWarps * kWarpLanes;
+  static constexpr int kCtaRows = kWarps * kRw * kTileRows;
+  // Dynamic shared memory: the barriers, the rings, then the B stages of G token groups.
+  static constexpr int kBarBytes = 256;
+  static constexpr int kRingOffset = kBarBytes;
+  static constexpr int kStageOffset = kRingOffset + kWarps * kWarpBytes;
+  static_assert(kWarps * kSlots * 8 <= kBarBytes);
+  static constexpr int SmemBytes(int groups) {
+    return kStageOffset + kStages * kTileTokens * groups * kRowStride;
+  }
+};
+
+template <class Fmt, bool kGemm1, int G, int W>
+__global__ void __launch_bounds__(W * kWarpLanes, TiledBulkConfig<Fmt, W>::MinBlocks(G))
+    TiledBulkGemmKernel(const ExpertGemmParams p, int row_blocks) {
+  using Cfg = TiledBulkConfig<Fmt, W>;
+  using Scale = typename Fmt::Scale;
+  constexpr int kWarps = Cfg::kWarps, kStages = Cfg::kStages, kRw = Cfg::kRw;
+  constexpr int C = Cfg::kGroup, D = Cfg::kSlots;
+  extern __shared__ __align__(128) uint8_t tiled_smem[];
+  auto& smem = *reinterpret_cast<uint8_t(*)[kStages][kTileTokens * G][kRowStride]>(
+      tiled_smem + Cfg::kStageOffset);
+  uint8_t* const ring_all = tiled_smem + Cfg::kRingOffset;
+  uint64_t* const bars_all = reinterpret_cast<uint64_t*>(tiled_smem);
+  if constexpr (kGemm1) {
+    WaitForPrerequisites();
+    AllowDependents();
+  }
+  const int item_index = static_cast<int>(blockIdx.x / row_blocks);
+  const int row_block = static_cast<int>(blockIdx.x % row_blocks);
+  if (item_index >= *p.num_items) return;  // whole CTA, before any barrier
+  const ExpertItem item = p.items[item_index];
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  // Warp-uniform (broadcast from lane 0), so the copy operands stay in uniform registers.
+  const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 5), 0);
+  const int expert = __shfl_sync(0xffffffffu, item.expert, 0);
+  const int tile0 = (row_block * kWarps + warp) * kRw;
+  const int n = p.chunks;
+  const int groups = (n + C - 1) / C;
+
+  uint8_t* ring = ring_all + warp * Cfg::kWarpBytes;
+  const uint32_t ring_at = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  const uint32_t bars_at = static_cast<uint32_t>(__cvta_generic_to_shared(bars_all + warp * D));
+  const uint4* src_v[kRw];
+  const Scale* src_s[kRw];
+#pragma unroll
+  for (int r = 0; r < kRw; ++r) {
+    const int tile = tile0 + r;
+    const int64_t base = static_cast<int64_t>(tile < p.tiles ? tile : 0) * n;
+    src_v[r] = static_cast<const uint4*>(p.values) + expert * p.values_expert_stride +
+               base * kWarpLanes;
+    src_s[r] = static_cast<const Scale*>(p.scales) + expert * p.scales_expert_stride + base * 8;
+  }
+  const uint64_t policy = L2Policy(p.weights_evict_first);
+  // Lane 0: group j (chunks jC .. jC + cnt - 1 of every tile) into slot `slot`.
+  auto issue = [&](int j, int slot) {
+    const int cnt = min(C, n - j * C);
+    const uint32_t bar = bars_at + 8 * slot;
+    MbarrierArriveExpectTx(bar, kRw * cnt * (kChunkBytes + Cfg::kScaleBytes));
+#pragma unroll
+    for (int r = 0; r < kRw; ++r) {
+      const uint32_t dst = ring_at + slot * Cfg::kSlotBytes + r * Cfg::kTileBytes;
+      BulkCopyToShared(dst, src_v[r] + static_cast<int64_t>(j) * C * kWarpLanes,
+                       cnt * kChunkBytes, bar, policy);
+      BulkCopyToShared(dst + C * kChunkBytes, src_s[r] + static_cast<int64_t>(j) * C * 8,
+                       cnt * Cfg::kScaleBytes, bar, policy);
+    }
+  };
+  if (lane == 0) {
+#pragma unroll
+    for (int d = 0; d < D; ++d) MbarrierInit(bars_at + 8 * d, 1);
+    FenceMbarrierInit();
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      if (d < groups) issue(d, d);
+    }
+  }
+  __syncwarp();
+  if constexpr (!kGemm1) {
+    WaitForPrerequisites();
+    AllowDependents();
+  }
+
+  BTileLoader<G, Cfg::kThreads> loader;
+  loader.Init(p, item);
+  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(&smem[0][0][0]));
+  constexpr uint32_t kStageBytes = kTileTokens * G * kRowStride;
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < n) loader.Load(smem_base + st * kStageBytes, st);
+    CpAsyncCommit();
+  }
+
+  float acc[kRw][G][4];
+#pragma unroll
+  for (int r = 0; r < kRw; ++r)
+#pragma unroll
+    for (int q = 0; q < G; ++q)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[r][q][e] = 0.f;
+
+  // This lane's code vector and row pair's scale word in slot 0, tile 0, chunk 0.
+  const uint4* my_v = reinterpret_cast<const uint4*>(ring) + lane;
+  const Scale* my_s = reinterpret_cast<const Scale*>(ring + C * kChunkBytes) + g;
+  int stage = 0;  // i % kStages
+  for (int j0 = 0; j0 < groups; j0 += D) {
+    const uint32_t parity = static_cast<uint32_t>(j0 / D) & 1u;
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      const int j = j0 + d;
+      if (j >= groups) break;
+      if (j > 0) {
+        __syncwarp();  // every lane is done with the slot of group j - 1
+        const int refill = j - 1 + D;
+        if (lane == 0 && refill < groups) issue(refill, (d + D - 1) % D);
+      }
+      MbarrierWait(bars_at + 8 * d, parity);
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        const int i = j * C + c;
+        if (i >= n) break;
+        // Chunk i's B has landed, and every warp is done with chunk i - 1, whose stage is
+        // refilled.
+        CpAsyncWait<kStages - 2>();
+        __syncthreads();
+        const int next = i + kStages - 1;
+        const int next_stage = stage == 0 ? kStages - 1 : stage - 1;  // (i + S - 1) % S
+        if (next < n) loader.Load(smem_base + next_stage * kStageBytes, next);
+        CpAsyncCommit();
+        uint4 v[kRw];
+        Scale s[kRw];
+#pragma unroll
+        for (int r = 0; r < kRw; ++r) {
+          const int at = d * Cfg::kSlotBytes + r * Cfg::kTileBytes;
+          v[r] = my_v[(at + c * kChunkBytes) / 16];
+          s[r] = my_s[(at + c * Cfg::kScaleBytes) / static_cast<int>(sizeof(Scale))];
+        }
+        MultiplyChunkShared<Fmt, kRw, G>(v, s, &smem[stage][0][0], g, t, acc);
+        stage = stage == kStages - 1 ? 0 : stage + 1;
+      }
+    }
+  }
+  if constexpr (kGemm1) {
+    EpilogueAct<kRw, G>(p, item, tile0, lane, acc);
+  } else {
+    EpilogueY<kRw, G>(p, item, tile0, lane, acc);
+  }
+}
+
 using TiledKernel = void (*)(ExpertGemmParams, int);
 
 struct TiledEntry {
   TiledKernel kernels[2][2];  // [nvfp4][gemm2]
   int threads;
   int cta_rows;
+  int smem[2] = {0, 0};  // dynamic shared memory bytes [nvfp4]
 };
 
 template <int G, int V>
@@ -203,11 +380,58 @@ constexpr TiledEntry Tiled() {
                     TiledConfig<G, V>::kCtaRows};
 }
 
-// [token groups 1, 2, 4, 8][variant]: few-token groups have one configuration (variant 3).
-const TiledEntry kTiledTable[4][3] = {{Tiled<1, 0>(), Tiled<1, 0>(), Tiled<1, 0>()},
-                                      {Tiled<2, 0>(), Tiled<2, 0>(), Tiled<2, 0>()},
-                                      {Tiled<4, 0>(), Tiled<4, 1>(), Tiled<4, 2>()},
-                                      {Tiled<8, 0>(), Tiled<8, 1>(), Tiled<8, 2>()}};
+template <int G, int W>
+constexpr TiledEntry TiledBulk() {
+  static_assert(TiledBulkConfig<Mxfp4, W>::kCtaRows == TiledBulkConfig<Nvfp4, W>::kCtaRows);
+  return TiledEntry{
+      {{&TiledBulkGemmKernel<Mxfp4, true, G, W>, &TiledBulkGemmKernel<Mxfp4, false, G, W>},
+       {&TiledBulkGemmKernel<Nvfp4, true, G, W>, &TiledBulkGemmKernel<Nvfp4, false, G, W>}},
+      TiledBulkConfig<Mxfp4, W>::kThreads,
+      TiledBulkConfig<Mxfp4, W>::kCtaRows,
+      {TiledBulkConfig<Mxfp4, W>::SmemBytes(G), TiledBulkConfig<Nvfp4, W>::SmemBytes(G)}};
+}
+
+// [token groups 1, 2, 4, 8][variant 0, 1, 2, 4, 5]: few-token groups have one configuration
+// (variant 3); the bulk ring: variant 4 = 4 warps per CTA (G = 4: 4 CTAs per SM; G = 8: 3),
+// 5 = 8 warps x 2 CTAs per SM (G = 8: as 4, 8 warps would spill).
+constexpr int kTiledVariants = 5;
+const TiledEntry kTiledTable[4][kTiledVariants] = {
+    {Tiled<1, 0>(), Tiled<1, 0>(), Tiled<1, 0>(), Tiled<1, 0>(), Tiled<1, 0>()},
+    {Tiled<2, 0>(), Tiled<2, 0>(), Tiled<2, 0>(), Tiled<2, 0>(), Tiled<2, 0>()},
+    {Tiled<4, 0>(), Tiled<4, 1>(), Tiled<4, 2>(), TiledBulk<4, 4>(), TiledBulk<4, 8>()},
+    {Tiled<8, 0>(), Tiled<8, 1>(), Tiled<8, 2>(), TiledBulk<8, 4>(), TiledBulk<8, 4>()}};
+
+// Devices whose bulk-ring kernels already allow their dynamic shared memory and the largest
+// carveout (bit per device).
+std::atomic<uint64_t> g_bulk_configured{0};
+
+cudaError_t ConfigureBulkKernels() {
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (bit != 0 && (g_bulk_configured.load(std::memory_order_acquire) & bit) != 0) {
+    return cudaSuccess;
+  }
+  for (int gi = 2; gi < 4; ++gi) {
+    for (int vi = 3; vi < kTiledVariants; ++vi) {
+      const TiledEntry& e = kTiledTable[gi][vi];
+      for (int nv = 0; nv < 2; ++nv) {
+        for (int gemm2 = 0; gemm2 < 2; ++gemm2) {
+          TiledKernel k = e.kernels[nv][gemm2];
+          cudaError_t err =
+              cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, e.smem[nv]);
+          if (err == cudaSuccess) {
+            err = cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                       cudaSharedmemCarveoutMaxShared);
+          }
+          if (err != cudaSuccess) return err;
+        }
+      }
+    }
+  }
+  g_bulk_configured.fetch_or(bit, std::memory_order_acq_rel);
+  return cudaSuccess;
+}
 
 }  // namespace
 
@@ -216,15 +440,22 @@ cudaError_t LaunchTiledGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
   const int groups = launch.token_groups;
   const int gi = groups == 1 ? 0 : groups == 2 ? 1 : groups == 4 ? 2 : groups == 8 ? 3 : -1;
   if (gi < 0) return cudaErrorInvalidValue;
-  const TiledEntry& e = kTiledTable[gi][groups <= 2 ? 0 : launch.variant % 3];
+  const int v = launch.variant;
+  const int vi = groups <= 2 ? 0 : (v == 4 || v == 5) ? v - 1 : v % 3;
+  if (vi >= 3) {
+    if (cudaError_t e = ConfigureBulkKernels(); e != cudaSuccess) return e;
+  }
+  const TiledEntry& e = kTiledTable[gi][vi];
   const int64_t rows = launch.gemm1 ? 2 * static_cast<int64_t>(p.out_cols) : p.out_valid;
   const int64_t row_blocks = (rows + e.cta_rows - 1) / e.cta_rows;
   const int64_t blocks = row_blocks * launch.num_items;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   const TiledKernel kernel =
       e.kernels[launch.format == Fp4Format::kNvfp4 ? 1 : 0][launch.gemm1 ? 0 : 1];
-  return LaunchMaybeProgrammatic(kernel, static_cast<unsigned>(blocks), e.threads,
-                                 launch.programmatic, stream, p, static_cast<int>(row_blocks));
+  const int nv = launch.format == Fp4Format::kNvfp4 ? 1 : 0;
+  return LaunchMaybeProgrammaticShared(kernel, static_cast<unsigned>(blocks), e.threads,
+                                       e.smem[nv], launch.programmatic, stream, p,
+                                       static_cast<int>(row_blocks));
 }
 
 }  // namespace moe::cuda::detail
