@@ -341,6 +341,7 @@ int Main() {
                    {"variant12_no_fold", 12, true, true, kAutoL2, true, false},
                    {"variant12_fold_grouped", 12, true, true, kAutoL2, true, true, true},
                    {"variant6_no_evict_first", 6, true, true, kAutoL2, false},
+                   {"variant4_no_evict_first", 4, true, true, kAutoL2, false},
                    {"variant7_no_evict_first", 7, true, true, kAutoL2, false},
                    {"variant8_no_evict_first", 8, true, true, kAutoL2, false},
                    {"variant11_no_evict_first", 11, true, true, kAutoL2, false},

@@ -39,9 +39,11 @@ struct TiledConfig {
   static constexpr int kCtaRows = kWarps * kRw * kTileRows;
 };
 
-__device__ __forceinline__ void CpAsync16(uint32_t smem_addr, const void* gmem, bool valid) {
+// Copies `src_bytes` (16, or 0: zero-fill) of gmem into the 16 bytes at smem_addr.
+__device__ __forceinline__ void CpAsync16(uint32_t smem_addr, const void* gmem,
+                                          uint32_t src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem),
-               "r"(valid ? 16 : 0)
+               "r"(src_bytes)
                : "memory");
 }
 __device__ __forceinline__ void CpAsyncCommit() {
@@ -53,30 +55,34 @@ __device__ __forceinline__ void CpAsyncWait() {
 }
 
 // Copies one chunk of the item's B rows (8 G tokens x 8 vectors of 16 bytes) into a stage; each
-// thread owns fixed vectors, so the gathered row addresses are computed once.
+// thread owns fixed vectors, so the gathered row addresses are computed once. A token past the
+// item copies 0 bytes (zero-fill) from row 0's vector, which exists in every chunk: the copy
+// needs no branch.
 template <int G, int kThreads>
 struct BTileLoader {
   static constexpr int kVectors = kTileTokens * G * kActChunkVectors;
   static constexpr int kPerThread = (kVectors + kThreads - 1) / kThreads;
-  const uint4* src[kPerThread];  // row + vector, or null for a token past the item
+  const uint4* src[kPerThread];  // row + vector (row 0 for a token past the item)
   uint32_t dst[kPerThread];      // byte offset inside a stage
+  uint32_t bytes[kPerThread];    // 16, or 0 for a token past the item
   bool active[kPerThread];       // the vector exists (fewer vectors than threads for small G)
-  const uint4* fallback;         // any valid address for zero-filling copies
 
   __device__ __forceinline__ void Init(const ExpertGemmParams& p, const ExpertItem& item) {
     const int64_t row_vectors = static_cast<int64_t>(p.chunks) * kActChunkVectors;
-    fallback = reinterpret_cast<const uint4*>(p.b_rows);
+    const uint4* b = reinterpret_cast<const uint4*>(p.b_rows);
 #pragma unroll
     for (int k = 0; k < kPerThread; ++k) {
       const int index = static_cast<int>(threadIdx.x) + k * kThreads;
       const int token = index / kActChunkVectors, v = index % kActChunkVectors;
       dst[k] = static_cast<uint32_t>(token * kRowStride + v * 16);
-      src[k] = nullptr;
+      src[k] = b + v;
+      bytes[k] = 0;
       active[k] = index < kVectors;
       if (active[k] && token < item.count) {
         const int slot = item.slot_begin + token;
         const int row = p.b_row_of_slot != nullptr ? p.b_row_of_slot[slot] : slot;
-        src[k] = fallback + row * row_vectors + v;
+        src[k] = b + row * row_vectors + v;
+        bytes[k] = 16;
       }
     }
   }
@@ -85,8 +91,7 @@ struct BTileLoader {
 #pragma unroll
     for (int k = 0; k < kPerThread; ++k) {
       if (!active[k]) continue;
-      const bool valid = src[k] != nullptr;
-      CpAsync16(stage_addr + dst[k], valid ? src[k] + chunk * kActChunkVectors : fallback, valid);
+      CpAsync16(stage_addr + dst[k], src[k] + chunk * kActChunkVectors, bytes[k]);
     }
   }
 };
@@ -197,19 +202,26 @@ __global__ void __launch_bounds__(TiledConfig<G, V>::kThreads, TiledConfig<G, V>
 // chunk). Ring slot layout: per tile r, C chunks of codes (512 bytes each) then their C x 8
 // scale words; a tile's chunks and its scale words are contiguous in the packing, so a group is
 // 2 RW bulk copies.
-template <class Fmt, int W>
+// Variant V: 4 = 4 warps, groups of 2 chunks; 5 = 8 warps, groups of 2; 6 = 4 warps, groups of 4
+// in 2 slots (half the copy instructions per chunk, one group in flight while one is read);
+// 7 = as 6 with 2 B stages, so that 5 CTAs fit an SM (MXFP4 G = 4: 20 warps).
+template <class Fmt, int V>
 struct TiledBulkConfig {
-  static constexpr int kWarps = W;
+  static constexpr int kWarps = V == 5 ? 8 : 4;
   // CTAs per SM the registers must allow: G = 4: 4 of 4 warps or 2 of 8 (<= 128 registers; 89
-  // to 109 used). G = 8 (64 accumulators): 3 of 4 warps (its B stages leave shared memory for 3).
-  static constexpr int MinBlocks(int groups) { return groups >= 8 ? 3 : W == 4 ? 4 : 2; }
+  // to 109 used), 5 for variant 7 MXFP4 (<= 96; NVFP4's larger ring leaves shared memory for 4).
+  // G = 8 (64 accumulators): 3 of 4 warps (its B stages
+  // leave shared memory for 3).
+  static constexpr int MinBlocks(int groups) {
+    return groups >= 8 ? 3 : kWarps == 8 ? 2 : V == 7 && sizeof(typename Fmt::Scale) == 4 ? 5 : 4;
+  }
   static constexpr int kRw = 2;
-  static constexpr int kStages = 3;
-  static constexpr int kGroup = 2;  // chunks per ring slot
+  static constexpr int kStages = V == 7 ? 2 : 3;
+  static constexpr int kGroup = V >= 6 ? 4 : 2;  // chunks per ring slot
   static constexpr int kScaleBytes = 8 * static_cast<int>(sizeof(typename Fmt::Scale));
-  // 4 slots for MXFP4, 3 for NVFP4 (its 128-byte scale groups): 4 CTAs of 4 warps (or 2 of 8)
-  // fit the 227 KB of an SM.
-  static constexpr int kSlots = sizeof(typename Fmt::Scale) == 4 ? 4 : 3;
+  // Groups of 2: 4 slots for MXFP4, 3 for NVFP4 (its 128-byte scale groups), so that 4 CTAs of
+  // 4 warps (or 2 of 8) fit the 227 KB of an SM; groups of 4: 2 slots.
+  static constexpr int kSlots = V >= 6 ? 2 : sizeof(typename Fmt::Scale) == 4 ? 4 : 3;
   static constexpr int kTileBytes = kGroup * (kChunkBytes + kScaleBytes);  // one tile's group
   static constexpr int kSlotBytes = kRw * kTileBytes;
   static constexpr int kWarpBytes = kSlots * kSlotBytes;
@@ -225,10 +237,11 @@ struct TiledBulkConfig {
   }
 };
 
-template <class Fmt, bool kGemm1, int G, int W>
-__global__ void __launch_bounds__(W * kWarpLanes, TiledBulkConfig<Fmt, W>::MinBlocks(G))
+template <class Fmt, bool kGemm1, int G, int V>
+__global__ void __launch_bounds__(TiledBulkConfig<Fmt, V>::kThreads,
+                                  TiledBulkConfig<Fmt, V>::MinBlocks(G))
     TiledBulkGemmKernel(const ExpertGemmParams p, int row_blocks) {
-  using Cfg = TiledBulkConfig<Fmt, W>;
+  using Cfg = TiledBulkConfig<Fmt, V>;
   using Scale = typename Fmt::Scale;
   constexpr int kWarps = Cfg::kWarps, kStages = Cfg::kStages, kRw = Cfg::kRw;
   constexpr int C = Cfg::kGroup, D = Cfg::kSlots;
@@ -380,26 +393,31 @@ constexpr TiledEntry Tiled() {
                     TiledConfig<G, V>::kCtaRows};
 }
 
-template <int G, int W>
+template <int G, int V>
 constexpr TiledEntry TiledBulk() {
-  static_assert(TiledBulkConfig<Mxfp4, W>::kCtaRows == TiledBulkConfig<Nvfp4, W>::kCtaRows);
+  static_assert(TiledBulkConfig<Mxfp4, V>::kCtaRows == TiledBulkConfig<Nvfp4, V>::kCtaRows);
   return TiledEntry{
-      {{&TiledBulkGemmKernel<Mxfp4, true, G, W>, &TiledBulkGemmKernel<Mxfp4, false, G, W>},
-       {&TiledBulkGemmKernel<Nvfp4, true, G, W>, &TiledBulkGemmKernel<Nvfp4, false, G, W>}},
-      TiledBulkConfig<Mxfp4, W>::kThreads,
-      TiledBulkConfig<Mxfp4, W>::kCtaRows,
-      {TiledBulkConfig<Mxfp4, W>::SmemBytes(G), TiledBulkConfig<Nvfp4, W>::SmemBytes(G)}};
+      {{&TiledBulkGemmKernel<Mxfp4, true, G, V>, &TiledBulkGemmKernel<Mxfp4, false, G, V>},
+       {&TiledBulkGemmKernel<Nvfp4, true, G, V>, &TiledBulkGemmKernel<Nvfp4, false, G, V>}},
+      TiledBulkConfig<Mxfp4, V>::kThreads,
+      TiledBulkConfig<Mxfp4, V>::kCtaRows,
+      {TiledBulkConfig<Mxfp4, V>::SmemBytes(G), TiledBulkConfig<Nvfp4, V>::SmemBytes(G)}};
 }
 
-// [token groups 1, 2, 4, 8][variant 0, 1, 2, 4, 5]: few-token groups have one configuration
-// (variant 3); the bulk ring: variant 4 = 4 warps per CTA (G = 4: 4 CTAs per SM; G = 8: 3),
-// 5 = 8 warps x 2 CTAs per SM (G = 8: as 4, 8 warps would spill).
-constexpr int kTiledVariants = 5;
+// [token groups 1, 2, 4, 8][variant 0, 1, 2, 4, 5, 6, 7]: few-token groups have one
+// configuration (variant 3); the bulk ring (TiledBulkConfig): variant 4 = 4 warps per CTA (G = 4:
+// 4 CTAs per SM; G = 8: 3), 5 = 8 warps x 2 CTAs per SM (G = 8: as 4, 8 warps would spill), 6 =
+// as 4 with groups of 4 chunks, 7 = as 6 with 2 B stages, 5 CTAs per SM (G = 8: as 6).
+constexpr int kTiledVariants = 7;
 const TiledEntry kTiledTable[4][kTiledVariants] = {
-    {Tiled<1, 0>(), Tiled<1, 0>(), Tiled<1, 0>(), Tiled<1, 0>(), Tiled<1, 0>()},
-    {Tiled<2, 0>(), Tiled<2, 0>(), Tiled<2, 0>(), Tiled<2, 0>(), Tiled<2, 0>()},
-    {Tiled<4, 0>(), Tiled<4, 1>(), Tiled<4, 2>(), TiledBulk<4, 4>(), TiledBulk<4, 8>()},
-    {Tiled<8, 0>(), Tiled<8, 1>(), Tiled<8, 2>(), TiledBulk<8, 4>(), TiledBulk<8, 4>()}};
+    {Tiled<1, 0>(), Tiled<1, 0>(), Tiled<1, 0>(), Tiled<1, 0>(), Tiled<1, 0>(), Tiled<1, 0>(),
+     Tiled<1, 0>()},
+    {Tiled<2, 0>(), Tiled<2, 0>(), Tiled<2, 0>(), Tiled<2, 0>(), Tiled<2, 0>(), Tiled<2, 0>(),
+     Tiled<2, 0>()},
+    {Tiled<4, 0>(), Tiled<4, 1>(), Tiled<4, 2>(), TiledBulk<4, 4>(), TiledBulk<4, 5>(),
+     TiledBulk<4, 6>(), TiledBulk<4, 7>()},
+    {Tiled<8, 0>(), Tiled<8, 1>(), Tiled<8, 2>(), TiledBulk<8, 4>(), TiledBulk<8, 4>(),
+     TiledBulk<8, 6>(), TiledBulk<8, 6>()}};
 
 // Devices whose bulk-ring kernels already allow their dynamic shared memory and the largest
 // carveout (bit per device).
@@ -441,7 +459,7 @@ cudaError_t LaunchTiledGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
   const int gi = groups == 1 ? 0 : groups == 2 ? 1 : groups == 4 ? 2 : groups == 8 ? 3 : -1;
   if (gi < 0) return cudaErrorInvalidValue;
   const int v = launch.variant;
-  const int vi = groups <= 2 ? 0 : (v == 4 || v == 5) ? v - 1 : v % 3;
+  const int vi = groups <= 2 ? 0 : (v >= 4 && v <= 7) ? v - 1 : v % 3;
   if (vi >= 3) {
     if (cudaError_t e = ConfigureBulkKernels(); e != cudaSuccess) return e;
   }

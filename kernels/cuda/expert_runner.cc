@@ -306,7 +306,9 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   const bool few = direct_ && plan.max_count <= 1 && plan.token_groups == 1;
   int variant = variant_;
   if (variant == kAutoGemmVariant) {
-    variant = plan.token_groups >= 4 ? 0 : few ? 6 : 12;
+    // Items of 32+ tokens: the tiled kernel with the bulk weight ring in groups of 4 (A 512:
+    // 811 vs 940 us for the register ring, NOTES-cuda.md).
+    variant = plan.token_groups >= 4 ? 6 : few ? 6 : 12;
   }
   const bool direct = few && GemmUsesStreamingKernel(plan.token_groups, variant);
   // Folded combine: direct routes; grouped routes (bulk-copy variants only) when asked
@@ -355,9 +357,10 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   g1.out_cols = static_cast<int32_t>(layer.inter_padded);
   g1.act = layer.act;
   g1.act_out = act_.as<uint16_t>();
-  // The shared-memory ring variants (4..13) read the weights with an L2 evict-first policy
-  // (measured 3-8% faster at 8-64 tokens, NOTES-cuda.md).
-  g1.weights_evict_first = evict_first_ && plan.token_groups <= 2 && variant >= 4;
+  // The shared-memory ring variants (4..13; tiled 4..7) read the weights with an L2 evict-first
+  // policy (measured 3-8% faster at 8-64 tokens, NOTES-cuda.md).
+  g1.weights_evict_first =
+      evict_first_ && variant >= 4 && (plan.token_groups <= 2 || variant <= 7);
   if (GemmUsesBulkCopies(plan.token_groups, variant)) {
     const DeviceGemmWeights& w2 = layer.w2;
     const int64_t scale_bytes = layer.format == Fp4Format::kMxfp4 ? 4 : 16;
