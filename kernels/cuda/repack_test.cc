@@ -31,6 +31,22 @@ TEST(FragmentLayoutTest, PackedBitsTileTheWord) {
   EXPECT_EQ(used.size(), 32u);
 }
 
+// UnpackFragmentWord's shifts equal the rotate-and-mask definition (MagRotation, SignRotation)
+// for every word: no bit a register keeps wraps around, so the packing and the device decode agree.
+TEST(FragmentLayoutTest, ShiftDecodeEqualsRotations) {
+  std::mt19937 rng(12345);
+  for (int i = 0; i < 100000; ++i) {
+    const uint32_t w = i < 32 ? 1u << i : static_cast<uint32_t>(rng());
+    uint32_t regs[4];
+    UnpackFragmentWord(w, regs);
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t want = (RotateRight(w, MagRotation(j)) & kMagMask) |
+                            (RotateRight(w, SignRotation(j)) & kSignMask);
+      ASSERT_EQ(regs[j], want) << "word " << w << " reg " << j;
+    }
+  }
+}
+
 // Each code in each of the 8 places unpacks to sign << 15 | magnitude << 6 in its half, and that
 // bf16 is the E2M1 value times 2^-126 (0.5 becomes the subnormal 2^-127).
 TEST(FragmentLayoutTest, EveryCodeInEveryPlaceDecodes) {
