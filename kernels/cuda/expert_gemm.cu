@@ -530,7 +530,7 @@ cudaError_t LaunchExpertGemm(const ExpertGemmParams& p, const GemmLaunch& launch
   if (launch.num_items == 0) return cudaSuccess;
   if (!GemmUsesStreamingKernel(launch.token_groups, launch.variant)) {
     if (p.direct_ids != nullptr) return cudaErrorInvalidValue;
-    if (launch.variant >= 8) {
+    if (launch.variant >= 9) {
       GemmLaunch tiled = launch;
       tiled.variant = 0;
       return LaunchTiledGemm(p, tiled, stream);

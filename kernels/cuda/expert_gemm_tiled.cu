@@ -193,6 +193,41 @@ __global__ void __launch_bounds__(TiledConfig<G, V>::kThreads, TiledConfig<G, V>
   }
 }
 
+// As MultiplyChunkShared, for the first `used` token groups only (1 <= used <= G; warp-uniform):
+// the other groups' B reads and MMAs are predicated off.
+template <class Fmt, int kRw, int G>
+__device__ __forceinline__ void MultiplyChunkSharedUpTo(const uint4 (&v)[kRw],
+                                                        const typename Fmt::Scale (&s)[kRw],
+                                                        const uint8_t* stage, int g, int t,
+                                                        int used, float (&acc)[kRw][G][4]) {
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    uint4 b[G];  // read only where loaded (the same predicate guards the MMAs)
+#pragma unroll
+    for (int q = 0; q < G; ++q) {
+      if (q == 0 || q < used) {
+        b[q] = *reinterpret_cast<const uint4*>(stage + (q * kTileTokens + g) * kRowStride +
+                                               (2 * t + u) * 16);
+      }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int step = 2 * u + half;
+#pragma unroll
+      for (int r = 0; r < kRw; ++r) {
+        uint32_t a[4];
+        DequantStep<Fmt>(v[r], s[r], step, a);
+#pragma unroll
+        for (int q = 0; q < G; ++q) {
+          if (q == 0 || q < used) {
+            Mma(acc[r][q], a, half == 0 ? b[q].x : b[q].z, half == 0 ? b[q].y : b[q].w);
+          }
+        }
+      }
+    }
+  }
+}
+
 // Variant 4 (G = 4): the weights of the warp's RW tiles come through a per-warp shared-memory
 // ring filled by bulk copies (cp.async.bulk, completed on one mbarrier per ring slot, issued by
 // lane 0) instead of the register ring: the 8-chunk register ring (64 registers) of variant 0 is
@@ -204,7 +239,9 @@ __global__ void __launch_bounds__(TiledConfig<G, V>::kThreads, TiledConfig<G, V>
 // 2 RW bulk copies.
 // Variant V: 4 = 4 warps, groups of 2 chunks; 5 = 8 warps, groups of 2; 6 = 4 warps, groups of 4
 // in 2 slots (half the copy instructions per chunk, one group in flight while one is read);
-// 7 = as 6 with 2 B stages, so that 5 CTAs fit an SM (MXFP4 G = 4: 20 warps).
+// 7 = as 6 with 2 B stages, so that 5 CTAs fit an SM (MXFP4 G = 4: 20 warps); 8 = as 6, with
+// the MMAs and B reads of token groups past the item's tokens skipped (an item of 9-16 tokens in
+// a 32-token tile does half the tensor work).
 template <class Fmt, int V>
 struct TiledBulkConfig {
   static constexpr int kWarps = V == 5 ? 8 : 4;
@@ -218,6 +255,7 @@ struct TiledBulkConfig {
   static constexpr int kRw = 2;
   static constexpr int kStages = V == 7 ? 2 : 3;
   static constexpr int kGroup = V >= 6 ? 4 : 2;  // chunks per ring slot
+  static constexpr bool kSkipEmptyGroups = V == 8;
   static constexpr int kScaleBytes = 8 * static_cast<int>(sizeof(typename Fmt::Scale));
   // Groups of 2: 4 slots for MXFP4, 3 for NVFP4 (its 128-byte scale groups), so that 4 CTAs of
   // 4 warps (or 2 of 8) fit the 227 KB of an SM; groups of 4: 2 slots.
@@ -266,6 +304,8 @@ __global__ void __launch_bounds__(TiledBulkConfig<Fmt, V>::kThreads,
   const int tile0 = (row_block * kWarps + warp) * kRw;
   const int n = p.chunks;
   const int groups = (n + C - 1) / C;
+  // Token groups of 8 that hold tokens of this item (variant 8 multiplies only those).
+  const int groups_used = __shfl_sync(0xffffffffu, (item.count + kTileTokens - 1) / kTileTokens, 0);
 
   uint8_t* ring = ring_all + warp * Cfg::kWarpBytes;
   const uint32_t ring_at = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
@@ -364,7 +404,11 @@ __global__ void __launch_bounds__(TiledBulkConfig<Fmt, V>::kThreads,
           v[r] = my_v[(at + c * kChunkBytes) / 16];
           s[r] = my_s[(at + c * Cfg::kScaleBytes) / static_cast<int>(sizeof(Scale))];
         }
-        MultiplyChunkShared<Fmt, kRw, G>(v, s, &smem[stage][0][0], g, t, acc);
+        if constexpr (Cfg::kSkipEmptyGroups) {
+          MultiplyChunkSharedUpTo<Fmt, kRw, G>(v, s, &smem[stage][0][0], g, t, groups_used, acc);
+        } else {
+          MultiplyChunkShared<Fmt, kRw, G>(v, s, &smem[stage][0][0], g, t, acc);
+        }
         stage = stage == kStages - 1 ? 0 : stage + 1;
       }
     }
@@ -407,17 +451,18 @@ constexpr TiledEntry TiledBulk() {
 // [token groups 1, 2, 4, 8][variant 0, 1, 2, 4, 5, 6, 7]: few-token groups have one
 // configuration (variant 3); the bulk ring (TiledBulkConfig): variant 4 = 4 warps per CTA (G = 4:
 // 4 CTAs per SM; G = 8: 3), 5 = 8 warps x 2 CTAs per SM (G = 8: as 4, 8 warps would spill), 6 =
-// as 4 with groups of 4 chunks, 7 = as 6 with 2 B stages, 5 CTAs per SM (G = 8: as 6).
-constexpr int kTiledVariants = 7;
+// as 4 with groups of 4 chunks, 7 = as 6 with 2 B stages, 5 CTAs per SM (G = 8: as 6), 8 = as 6
+// without the MMAs of empty token groups.
+constexpr int kTiledVariants = 8;
 const TiledEntry kTiledTable[4][kTiledVariants] = {
     {Tiled<1, 0>(), Tiled<1, 0>(), Tiled<1, 0>(), Tiled<1, 0>(), Tiled<1, 0>(), Tiled<1, 0>(),
-     Tiled<1, 0>()},
+     Tiled<1, 0>(), Tiled<1, 0>()},
     {Tiled<2, 0>(), Tiled<2, 0>(), Tiled<2, 0>(), Tiled<2, 0>(), Tiled<2, 0>(), Tiled<2, 0>(),
-     Tiled<2, 0>()},
+     Tiled<2, 0>(), Tiled<2, 0>()},
     {Tiled<4, 0>(), Tiled<4, 1>(), Tiled<4, 2>(), TiledBulk<4, 4>(), TiledBulk<4, 5>(),
-     TiledBulk<4, 6>(), TiledBulk<4, 7>()},
+     TiledBulk<4, 6>(), TiledBulk<4, 7>(), TiledBulk<4, 8>()},
     {Tiled<8, 0>(), Tiled<8, 1>(), Tiled<8, 2>(), TiledBulk<8, 4>(), TiledBulk<8, 4>(),
-     TiledBulk<8, 6>(), TiledBulk<8, 6>()}};
+     TiledBulk<8, 6>(), TiledBulk<8, 6>(), TiledBulk<8, 8>()}};
 
 // Devices whose bulk-ring kernels already allow their dynamic shared memory and the largest
 // carveout (bit per device).
@@ -459,7 +504,7 @@ cudaError_t LaunchTiledGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
   const int gi = groups == 1 ? 0 : groups == 2 ? 1 : groups == 4 ? 2 : groups == 8 ? 3 : -1;
   if (gi < 0) return cudaErrorInvalidValue;
   const int v = launch.variant;
-  const int vi = groups <= 2 ? 0 : (v >= 4 && v <= 7) ? v - 1 : v % 3;
+  const int vi = groups <= 2 ? 0 : (v >= 4 && v <= 8) ? v - 1 : v % 3;
   if (vi >= 3) {
     if (cudaError_t e = ConfigureBulkKernels(); e != cudaSuccess) return e;
   }

@@ -306,9 +306,10 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   const bool few = direct_ && plan.max_count <= 1 && plan.token_groups == 1;
   int variant = variant_;
   if (variant == kAutoGemmVariant) {
-    // Items of 32+ tokens: the tiled kernel with the bulk weight ring in groups of 4 (A 512:
-    // 811 vs 940 us for the register ring, NOTES-cuda.md).
-    variant = plan.token_groups >= 4 ? 6 : few ? 6 : 12;
+    // Items of 32+ tokens: the tiled kernel with the bulk weight ring in groups of 4, empty
+    // token groups skipped (A 512: 736 us against 785 without the skip and 915 for the register
+    // ring, NOTES-cuda.md).
+    variant = plan.token_groups >= 4 ? 8 : few ? 6 : 12;
   }
   const bool direct = few && GemmUsesStreamingKernel(plan.token_groups, variant);
   // Folded combine: direct routes; grouped routes (bulk-copy variants only) when asked
