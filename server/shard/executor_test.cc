@@ -56,14 +56,19 @@ TEST(ExecutorTest, MergesQueuedRequestsOfTheSameLayer) {
   std::thread t0([&] { EXPECT_TRUE(executor.Run(first.work).ok()); });
   backend.started.WaitForNotification();  // the worker is now busy with `first`
   Item a(3, 2, 10.f, &layer_a, 0), b(4, 2, 20.f, &layer_a, 0), c(2, 2, 30.f, &layer_b, 1);
+  // Queued in the order a, b, c: each thread starts once the previous request is in the queue
+  // (three threads started together could queue c first, and the batches would come as {c},
+  // {a, b}). Bounded waits on the queue depth.
   std::vector<std::thread> threads;
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  size_t queued = 0;
   for (Item* item : {&a, &b, &c}) {
     threads.emplace_back([&executor, item] { EXPECT_TRUE(executor.Run(item->work).ok()); });
+    ++queued;
+    while (executor.queued_requests() < queued && absl::Now() < give_up)
+      absl::SleepFor(absl::Milliseconds(1));
   }
-  // Release the worker only once all three are queued (bounded wait on the queue depth).
-  const absl::Time give_up = absl::Now() + absl::Seconds(10);
-  while (executor.queued_requests() < 3 && absl::Now() < give_up)
-    absl::SleepFor(absl::Milliseconds(1));
+  // The worker is released only once all three are queued.
   ASSERT_EQ(executor.queued_requests(), 3u);
   backend.release.Notify();
   t0.join();
