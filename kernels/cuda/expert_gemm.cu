@@ -362,12 +362,7 @@ __device__ __forceinline__ void GemmBody(const ExpertGemmParams& p, int row_bloc
   }
 
   float acc[RW][G][4];
-#pragma unroll
-  for (int r = 0; r < RW; ++r)
-#pragma unroll
-    for (int q = 0; q < G; ++q)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[r][q][e] = 0.f;
+  ZeroAccumulators<RW, G>(acc);
 
   const bool wait_after_prefetch = !kGemm1 || direct;
   if constexpr (Cfg::kBulk) {

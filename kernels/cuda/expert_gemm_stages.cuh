@@ -8,6 +8,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "kernels/cuda/expert_kernels.h"
@@ -23,6 +24,24 @@ __device__ __forceinline__ void WaitForPrerequisites() {
 }
 __device__ __forceinline__ void AllowDependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// The grouped-route kernels' start (blockIdx.x = row block + row_blocks * item): GEMM1 waits for
+// the prologue that wrote the items and lets GEMM2 start launching; then this CTA's item and row
+// block. False when the CTA has no item (past the device's item count): the whole CTA returns,
+// before any barrier.
+template <bool kGemm1>
+__device__ __forceinline__ bool BlockItem(const ExpertGemmParams& p, int row_blocks,
+                                          ExpertItem& item, int& row_block) {
+  if constexpr (kGemm1) {
+    WaitForPrerequisites();
+    AllowDependents();
+  }
+  const int item_index = static_cast<int>(blockIdx.x / row_blocks);
+  row_block = static_cast<int>(blockIdx.x % row_blocks);
+  if (item_index >= *p.num_items) return false;
+  item = p.items[item_index];
+  return true;
 }
 
 // ---- Weight formats: how a lane's scale data turns into the bf16x2 factor of a k-step.
@@ -233,11 +252,14 @@ __device__ __forceinline__ void FirstBFragments(bool load, const uint4* const (&
   }
 }
 
-// Two k-steps (2u, 2u + 1) whose B registers are b[q] (x, y: step 2u; z, w: step 2u + 1).
+// Two k-steps (2u, 2u + 1) whose B registers are b[q] (x, y: step 2u; z, w: step 2u + 1), for
+// the first `used` token groups (1..G, warp-uniform; the others' MMAs are predicated off and
+// their b[q] are not read; the default G compiles to no predicate).
 template <class Fmt, int RW, int G>
 __device__ __forceinline__ void MultiplyHalfChunk(const uint4 (&v)[RW],
                                                   const typename Fmt::Scale (&s)[RW], int u,
-                                                  const uint4 (&b)[G], float (&acc)[RW][G][4]) {
+                                                  const uint4 (&b)[G], float (&acc)[RW][G][4],
+                                                  int used = G) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int step = 2 * u + half;
@@ -247,10 +269,22 @@ __device__ __forceinline__ void MultiplyHalfChunk(const uint4 (&v)[RW],
       DequantStep<Fmt>(v[r], s[r], step, a);
 #pragma unroll
       for (int q = 0; q < G; ++q) {
-        Mma(acc[r][q], a, half == 0 ? b[q].x : b[q].z, half == 0 ? b[q].y : b[q].w);
+        if (q == 0 || q < used) {
+          Mma(acc[r][q], a, half == 0 ? b[q].x : b[q].z, half == 0 ? b[q].y : b[q].w);
+        }
       }
     }
   }
+}
+
+template <int RW, int G>
+__device__ __forceinline__ void ZeroAccumulators(float (&acc)[RW][G][4]) {
+#pragma unroll
+  for (int r = 0; r < RW; ++r)
+#pragma unroll
+    for (int q = 0; q < G; ++q)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[r][q][e] = 0.f;
 }
 
 // B fragments already in registers (loaded a chunk ahead).
@@ -379,6 +413,19 @@ __device__ __forceinline__ void EpilogueY(const ExpertGemmParams& p, const Exper
         }
     }
   }
+}
+
+// Runs `configure` (kernel attributes: cudaFuncSetAttribute) on the current device unless it
+// already succeeded there; `done` holds one bit per device (devices past 63: every time).
+template <class Configure>
+cudaError_t OncePerDevice(std::atomic<uint64_t>& done, Configure configure) {
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
+  if (cudaError_t e = configure(); e != cudaSuccess) return e;
+  done.fetch_or(bit, std::memory_order_acq_rel);
+  return cudaSuccess;
 }
 
 // Launches `kernel` on a 1-D grid with `smem_bytes` of dynamic shared memory, with the

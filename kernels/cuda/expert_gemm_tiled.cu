@@ -97,23 +97,65 @@ struct BTileLoader {
 };
 
 // One chunk: B fragments of the G groups from the stage (lane (g, t) reads token row 8q + g,
-// vectors 2t and 2t + 1), 4 k-steps, both tiles.
+// vectors 2t and 2t + 1), 4 k-steps, both tiles; only the first `used` token groups (1..G,
+// warp-uniform: reads and MMAs of the others predicated off).
 template <class Fmt, int kRw, int G>
 __device__ __forceinline__ void MultiplyChunkShared(const uint4 (&v)[kRw],
                                                     const typename Fmt::Scale (&s)[kRw],
                                                     const uint8_t* stage, int g, int t,
-                                                    float (&acc)[kRw][G][4]) {
+                                                    float (&acc)[kRw][G][4], int used = G) {
 #pragma unroll
   for (int u = 0; u < 2; ++u) {
-    uint4 b[G];
+    uint4 b[G];  // read only where loaded (MultiplyHalfChunk guards with the same predicate)
 #pragma unroll
     for (int q = 0; q < G; ++q) {
-      b[q] = *reinterpret_cast<const uint4*>(stage + (q * kTileTokens + g) * kRowStride +
-                                             (2 * t + u) * 16);
+      if (q == 0 || q < used) {
+        b[q] = *reinterpret_cast<const uint4*>(stage + (q * kTileTokens + g) * kRowStride +
+                                               (2 * t + u) * 16);
+      }
     }
-    MultiplyHalfChunk<Fmt, kRw, G>(v, s, u, b, acc);
+    MultiplyHalfChunk<Fmt, kRw, G>(v, s, u, b, acc, used);
   }
 }
+
+// The item's B chunks through kStages shared-memory stages filled by cp.async, kStages - 1
+// chunks ahead, one CTA barrier per chunk.
+template <int G, int kThreads, int kStages>
+struct BStages {
+  static constexpr uint32_t kStageBytes = kTileTokens * G * kRowStride;
+  BTileLoader<G, kThreads> loader;
+  uint32_t base_at;  // shared-space address of stage 0
+  int n;             // chunks
+  int stage = 0;     // chunk i's stage: i % kStages
+
+  // Starts the copies of chunks 0 .. kStages - 2 into the stages at `smem`.
+  __device__ __forceinline__ void Start(const ExpertGemmParams& p, const ExpertItem& item,
+                                        const uint8_t* smem, int chunks) {
+    loader.Init(p, item);
+    base_at = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    n = chunks;
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) {
+      if (st < n) loader.Load(base_at + st * kStageBytes, st);
+      CpAsyncCommit();
+    }
+  }
+
+  // Chunk i (called for i = 0, 1, ... by every thread): waits until it has landed and every warp
+  // is done with chunk i - 1, refills that stage with chunk i + kStages - 1; returns chunk i's
+  // stage index.
+  __device__ __forceinline__ int Next(int i) {
+    CpAsyncWait<kStages - 2>();
+    __syncthreads();
+    const int next = i + kStages - 1;
+    const int next_stage = stage == 0 ? kStages - 1 : stage - 1;  // (i + S - 1) % S
+    if (next < n) loader.Load(base_at + next_stage * kStageBytes, next);
+    CpAsyncCommit();
+    const int at = stage;
+    stage = stage == kStages - 1 ? 0 : stage + 1;
+    return at;
+  }
+};
 
 // blockIdx.x = row block + row_blocks * item, as in the few-token kernel; the same programmatic
 // launch protocol (GEMM1 waits first; GEMM2 issues its first weight loads, then waits).
@@ -125,14 +167,9 @@ __global__ void __launch_bounds__(TiledConfig<G, V>::kThreads, TiledConfig<G, V>
   constexpr int kRw = Cfg::kRw;
   __shared__ __align__(16) uint8_t smem[kStages][kTileTokens * G][kRowStride];
   using Scale = typename Fmt::Scale;
-  if constexpr (kGemm1) {
-    WaitForPrerequisites();
-    AllowDependents();
-  }
-  const int item_index = static_cast<int>(blockIdx.x / row_blocks);
-  const int row_block = static_cast<int>(blockIdx.x % row_blocks);
-  if (item_index >= *p.num_items) return;  // whole CTA, before any barrier
-  const ExpertItem item = p.items[item_index];
+  ExpertItem item;
+  int row_block;
+  if (!BlockItem<kGemm1>(p, row_blocks, item, row_block)) return;  // whole CTA
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int tile0 = (row_block * kWarps + warp) * kRw;
@@ -150,81 +187,24 @@ __global__ void __launch_bounds__(TiledConfig<G, V>::kThreads, TiledConfig<G, V>
     AllowDependents();
   }
 
-  BTileLoader<G, Cfg::kThreads> loader;
-  loader.Init(p, item);
-  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(&smem[0][0][0]));
-  constexpr uint32_t kStageBytes = kTileTokens * G * kRowStride;
-#pragma unroll
-  for (int st = 0; st < kStages - 1; ++st) {
-    if (st < n) loader.Load(smem_base + st * kStageBytes, st);
-    CpAsyncCommit();
-  }
-
+  BStages<G, Cfg::kThreads, kStages> b_stages;
+  b_stages.Start(p, item, &smem[0][0][0], n);
   float acc[kRw][G][4];
-#pragma unroll
-  for (int r = 0; r < kRw; ++r)
-#pragma unroll
-    for (int q = 0; q < G; ++q)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[r][q][e] = 0.f;
+  ZeroAccumulators<kRw, G>(acc);
 
-  int stage = 0;  // i % kStages
   for (int i0 = 0; i0 < n; i0 += kPrefetch) {
 #pragma unroll
     for (int pp = 0; pp < kPrefetch; ++pp) {
       const int i = i0 + pp;
       if (i >= n) break;
-      // Chunk i has landed, and every warp is done with chunk i - 1, whose stage is refilled.
-      CpAsyncWait<kStages - 2>();
-      __syncthreads();
-      const int next = i + kStages - 1;
-      const int next_stage = stage == 0 ? kStages - 1 : stage - 1;  // (i + S - 1) % S
-      if (next < n) loader.Load(smem_base + next_stage * kStageBytes, next);
-      CpAsyncCommit();
-      MultiplyChunkShared<Fmt, kRw, G>(v[pp], s[pp], &smem[stage][0][0], g, t, acc);
+      MultiplyChunkShared<Fmt, kRw, G>(v[pp], s[pp], &smem[b_stages.Next(i)][0][0], g, t, acc);
       stream.LoadIf(i + kPrefetch < n, i + kPrefetch, v[pp], s[pp]);
-      stage = stage == kStages - 1 ? 0 : stage + 1;
     }
   }
   if constexpr (kGemm1) {
     EpilogueAct<kRw, G>(p, item, tile0, lane, acc);
   } else {
     EpilogueY<kRw, G>(p, item, tile0, lane, acc);
-  }
-}
-
-// As MultiplyChunkShared, for the first `used` token groups only (1 <= used <= G; warp-uniform):
-// the other groups' B reads and MMAs are predicated off.
-template <class Fmt, int kRw, int G>
-__device__ __forceinline__ void MultiplyChunkSharedUpTo(const uint4 (&v)[kRw],
-                                                        const typename Fmt::Scale (&s)[kRw],
-                                                        const uint8_t* stage, int g, int t,
-                                                        int used, float (&acc)[kRw][G][4]) {
-#pragma unroll
-  for (int u = 0; u < 2; ++u) {
-    uint4 b[G];  // read only where loaded (the same predicate guards the MMAs)
-#pragma unroll
-    for (int q = 0; q < G; ++q) {
-      if (q == 0 || q < used) {
-        b[q] = *reinterpret_cast<const uint4*>(stage + (q * kTileTokens + g) * kRowStride +
-                                               (2 * t + u) * 16);
-      }
-    }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int step = 2 * u + half;
-#pragma unroll
-      for (int r = 0; r < kRw; ++r) {
-        uint32_t a[4];
-        DequantStep<Fmt>(v[r], s[r], step, a);
-#pragma unroll
-        for (int q = 0; q < G; ++q) {
-          if (q == 0 || q < used) {
-            Mma(acc[r][q], a, half == 0 ? b[q].x : b[q].z, half == 0 ? b[q].y : b[q].w);
-          }
-        }
-      }
-    }
   }
 }
 
@@ -288,14 +268,9 @@ __global__ void __launch_bounds__(TiledBulkConfig<Fmt, V>::kThreads,
       tiled_smem + Cfg::kStageOffset);
   uint8_t* const ring_all = tiled_smem + Cfg::kRingOffset;
   uint64_t* const bars_all = reinterpret_cast<uint64_t*>(tiled_smem);
-  if constexpr (kGemm1) {
-    WaitForPrerequisites();
-    AllowDependents();
-  }
-  const int item_index = static_cast<int>(blockIdx.x / row_blocks);
-  const int row_block = static_cast<int>(blockIdx.x % row_blocks);
-  if (item_index >= *p.num_items) return;  // whole CTA, before any barrier
-  const ExpertItem item = p.items[item_index];
+  ExpertItem item;
+  int row_block;
+  if (!BlockItem<kGemm1>(p, row_blocks, item, row_block)) return;  // whole CTA
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   // Warp-uniform (broadcast from lane 0), so the copy operands stay in uniform registers.
@@ -350,28 +325,14 @@ __global__ void __launch_bounds__(TiledBulkConfig<Fmt, V>::kThreads,
     AllowDependents();
   }
 
-  BTileLoader<G, Cfg::kThreads> loader;
-  loader.Init(p, item);
-  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(&smem[0][0][0]));
-  constexpr uint32_t kStageBytes = kTileTokens * G * kRowStride;
-#pragma unroll
-  for (int st = 0; st < kStages - 1; ++st) {
-    if (st < n) loader.Load(smem_base + st * kStageBytes, st);
-    CpAsyncCommit();
-  }
-
+  BStages<G, Cfg::kThreads, kStages> b_stages;
+  b_stages.Start(p, item, &smem[0][0][0], n);
   float acc[kRw][G][4];
-#pragma unroll
-  for (int r = 0; r < kRw; ++r)
-#pragma unroll
-    for (int q = 0; q < G; ++q)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[r][q][e] = 0.f;
+  ZeroAccumulators<kRw, G>(acc);
 
   // This lane's code vector and row pair's scale word in slot 0, tile 0, chunk 0.
   const uint4* my_v = reinterpret_cast<const uint4*>(ring) + lane;
   const Scale* my_s = reinterpret_cast<const Scale*>(ring + C * kChunkBytes) + g;
-  int stage = 0;  // i % kStages
   for (int j0 = 0; j0 < groups; j0 += D) {
     const uint32_t parity = static_cast<uint32_t>(j0 / D) & 1u;
 #pragma unroll
@@ -388,14 +349,7 @@ __global__ void __launch_bounds__(TiledBulkConfig<Fmt, V>::kThreads,
       for (int c = 0; c < C; ++c) {
         const int i = j * C + c;
         if (i >= n) break;
-        // Chunk i's B has landed, and every warp is done with chunk i - 1, whose stage is
-        // refilled.
-        CpAsyncWait<kStages - 2>();
-        __syncthreads();
-        const int next = i + kStages - 1;
-        const int next_stage = stage == 0 ? kStages - 1 : stage - 1;  // (i + S - 1) % S
-        if (next < n) loader.Load(smem_base + next_stage * kStageBytes, next);
-        CpAsyncCommit();
+        const int stage = b_stages.Next(i);
         uint4 v[kRw];
         Scale s[kRw];
 #pragma unroll
@@ -404,12 +358,8 @@ __global__ void __launch_bounds__(TiledBulkConfig<Fmt, V>::kThreads,
           v[r] = my_v[(at + c * kChunkBytes) / 16];
           s[r] = my_s[(at + c * Cfg::kScaleBytes) / static_cast<int>(sizeof(Scale))];
         }
-        if constexpr (Cfg::kSkipEmptyGroups) {
-          MultiplyChunkSharedUpTo<Fmt, kRw, G>(v, s, &smem[stage][0][0], g, t, groups_used, acc);
-        } else {
-          MultiplyChunkShared<Fmt, kRw, G>(v, s, &smem[stage][0][0], g, t, acc);
-        }
-        stage = stage == kStages - 1 ? 0 : stage + 1;
+        MultiplyChunkShared<Fmt, kRw, G>(v, s, &smem[stage][0][0], g, t, acc,
+                                         Cfg::kSkipEmptyGroups ? groups_used : G);
       }
     }
   }
@@ -469,31 +419,26 @@ const TiledEntry kTiledTable[4][kTiledVariants] = {
 std::atomic<uint64_t> g_bulk_configured{0};
 
 cudaError_t ConfigureBulkKernels() {
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
-  if (bit != 0 && (g_bulk_configured.load(std::memory_order_acquire) & bit) != 0) {
-    return cudaSuccess;
-  }
-  for (int gi = 2; gi < 4; ++gi) {
-    for (int vi = 3; vi < kTiledVariants; ++vi) {
-      const TiledEntry& e = kTiledTable[gi][vi];
-      for (int nv = 0; nv < 2; ++nv) {
-        for (int gemm2 = 0; gemm2 < 2; ++gemm2) {
-          TiledKernel k = e.kernels[nv][gemm2];
-          cudaError_t err =
-              cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, e.smem[nv]);
-          if (err == cudaSuccess) {
-            err = cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                       cudaSharedmemCarveoutMaxShared);
+  return OncePerDevice(g_bulk_configured, [] {
+    for (int gi = 2; gi < 4; ++gi) {
+      for (int vi = 3; vi < kTiledVariants; ++vi) {
+        const TiledEntry& e = kTiledTable[gi][vi];
+        for (int nv = 0; nv < 2; ++nv) {
+          for (int gemm2 = 0; gemm2 < 2; ++gemm2) {
+            TiledKernel k = e.kernels[nv][gemm2];
+            cudaError_t err =
+                cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, e.smem[nv]);
+            if (err == cudaSuccess) {
+              err = cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         cudaSharedmemCarveoutMaxShared);
+            }
+            if (err != cudaSuccess) return err;
           }
-          if (err != cudaSuccess) return err;
         }
       }
     }
-  }
-  g_bulk_configured.fetch_or(bit, std::memory_order_acq_rel);
-  return cudaSuccess;
+    return cudaSuccess;
+  });
 }
 
 }  // namespace

@@ -481,14 +481,9 @@ template <class Fmt, bool kGemm1, int V>
 __global__ void __launch_bounds__(WgConfig<V>::kThreads, 1)
     WgmmaGemmKernel(const ExpertGemmParams p, int row_blocks) {
   extern __shared__ uint8_t wg_smem[];
-  if constexpr (kGemm1) {
-    WaitForPrerequisites();
-    AllowDependents();
-  }
-  const int item_index = static_cast<int>(blockIdx.x / row_blocks);
-  const int row_block = static_cast<int>(blockIdx.x % row_blocks);
-  if (item_index >= *p.num_items) return;  // whole CTA, before any barrier
-  const ExpertItem item = p.items[item_index];
+  ExpertItem item;
+  int row_block;
+  if (!BlockItem<kGemm1>(p, row_blocks, item, row_block)) return;  // whole CTA
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem));
   const uint32_t smem_base = (raw + 1023u) & ~1023u;
   if (item.count <= 32) {
@@ -533,26 +528,21 @@ WgLaunchEntry WgLookup(int v, int nv, int gemm2) {
 std::atomic<uint64_t> g_smem_configured{0};
 
 cudaError_t ConfigureSharedMemory() {
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
-  if (bit != 0 && (g_smem_configured.load(std::memory_order_acquire) & bit) != 0) {
-    return cudaSuccess;
-  }
-  for (int v = 0; v < kWgVariants; ++v) {
-    for (int nv = 0; nv < 2; ++nv) {
-      for (int gemm2 = 0; gemm2 < 2; ++gemm2) {
-        const WgLaunchEntry e = WgLookup(v, nv, gemm2);
-        if (cudaError_t err = cudaFuncSetAttribute(
-                e.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, e.smem);
-            err != cudaSuccess) {
-          return err;
+  return OncePerDevice(g_smem_configured, [] {
+    for (int v = 0; v < kWgVariants; ++v) {
+      for (int nv = 0; nv < 2; ++nv) {
+        for (int gemm2 = 0; gemm2 < 2; ++gemm2) {
+          const WgLaunchEntry e = WgLookup(v, nv, gemm2);
+          if (cudaError_t err = cudaFuncSetAttribute(
+                  e.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, e.smem);
+              err != cudaSuccess) {
+            return err;
+          }
         }
       }
     }
-  }
-  g_smem_configured.fetch_or(bit, std::memory_order_acq_rel);
-  return cudaSuccess;
+    return cudaSuccess;
+  });
 }
 
 }  // namespace
