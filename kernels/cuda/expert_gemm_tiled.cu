@@ -3,10 +3,12 @@
 // for one item, so each activation chunk is fetched from L2 once per 32 W rows. The item's
 // activations (B) are staged chunk by chunk in shared memory by cp.async, S stages deep and
 // zero-filled past the item's tokens; every warp reads its B fragments with conflict-free
-// LDS.128 (rows padded by 16 bytes) instead of waiting on L1/L2 per chunk, while its weights
-// stream through a P-deep register ring exactly as in the few-token kernel (expert_gemm.cu).
-// No K split: no cross-warp reduction. (W, S, P) per variant: TiledConfig.
-// Stages: BTileLoader (cp.async) -> WeightStream -> DequantStep -> Mma -> epilogues
+// LDS.128 (rows padded by 16 bytes) instead of waiting on L1/L2 per chunk (BStages). Weights:
+// variants 0-2 stream them through a P-deep register ring exactly as in the few-token kernel
+// (expert_gemm.cu; TiledConfig: W, S, P); variants 4-8 (TiledBulkConfig; 8 is the default)
+// through a per-warp shared-memory ring filled by bulk copies, which frees the ring's registers
+// for 4 CTAs per SM. No K split: no cross-warp reduction.
+// Stages: BStages (cp.async) -> WeightStream or the bulk ring -> DequantStep -> Mma -> epilogues
 // (expert_gemm_stages.cuh).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
