@@ -219,8 +219,9 @@ __global__ void __launch_bounds__(TiledConfig<G, V>::kThreads, TiledConfig<G, V>
 // chunk). Ring slot layout: per tile r, C chunks of codes (512 bytes each) then their C x 8
 // scale words; a tile's chunks and its scale words are contiguous in the packing, so a group is
 // 2 RW bulk copies.
-// Variant V: 4 = 4 warps, groups of 2 chunks; 5 = 8 warps, groups of 2; 6 = 4 warps, groups of 4
-// in 2 slots (half the copy instructions per chunk, one group in flight while one is read);
+// Variant V: 4 = 4 warps, groups of 2 chunks; 5 = 8 warps, groups of 2, empty token groups
+// skipped (as 8); 6 = 4 warps, groups of 4 in 2 slots (half the copy instructions per chunk, one
+// group in flight while one is read);
 // 7 = as 6 with 2 B stages, so that 5 CTAs fit an SM (MXFP4 G = 4: 20 warps); 8 = as 6, with
 // the MMAs and B reads of token groups past the item's tokens skipped (an item of 9-16 tokens in
 // a 32-token tile does half the tensor work).
@@ -237,7 +238,7 @@ struct TiledBulkConfig {
   static constexpr int kRw = 2;
   static constexpr int kStages = V == 7 ? 2 : 3;
   static constexpr int kGroup = V >= 6 ? 4 : 2;  // chunks per ring slot
-  static constexpr bool kSkipEmptyGroups = V == 8;
+  static constexpr bool kSkipEmptyGroups = V == 8 || V == 5;
   static constexpr int kScaleBytes = 8 * static_cast<int>(sizeof(typename Fmt::Scale));
   // Groups of 2: 4 slots for MXFP4, 3 for NVFP4 (its 128-byte scale groups), so that 4 CTAs of
   // 4 warps (or 2 of 8) fit the 227 KB of an SM; groups of 4: 2 slots.

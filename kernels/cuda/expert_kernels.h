@@ -192,9 +192,9 @@ struct GemmLaunch {
   // per warp against 8); 7: four row warps, no K split (each warp streams a whole tile);
   // token_groups >= 4: 4 = the tiled kernel with the weights in a per-warp shared-memory ring
   // filled by bulk copies (4-warp CTAs, 4 per SM at G = 4), 5 = the same with 8-warp CTAs
-  // (2 per SM; G = 8: as 4), 6 = as 4 with groups of 4 chunks per copy, 7 = as 6 with 2 B
-  // stages and 5 CTAs per SM (G = 8: as 6), 8 = as 6 without the MMAs of token groups past the
-  // item's tokens, 9..13 as 0. 8..13 (token_groups <= 2): the ring filled by bulk copies
+  // (2 per SM) and empty token groups skipped (G = 8: as 4), 6 = as 4 with groups of 4 chunks,
+  // 7 = as 6 with 2 B stages and 5 CTAs per SM (G = 8: as 6), 8 = as 6 without the MMAs of
+  // token groups past the item's tokens (the default), 9..13 as 0. 8..13 (token_groups <= 2): the ring filled by bulk copies
   // (cp.async.bulk, one request per group of 2 or 4 chunks per warp, an mbarrier per ring slot;
   // GemmUsesBulkCopies): 8 = four row warps, no K split, ring of 8 chunks in groups of 2; 9 = two
   // row warps x 2-way K split, 12 chunks; 10 = one row warp x 4-way K split, 12 chunks; 11 = as
