@@ -210,28 +210,25 @@ __global__ void __launch_bounds__(TiledConfig<G, V>::kThreads, TiledConfig<G, V>
   }
 }
 
-// Variant 4 (G = 4): the weights of the warp's RW tiles come through a per-warp shared-memory
-// ring filled by bulk copies (cp.async.bulk, completed on one mbarrier per ring slot, issued by
-// lane 0) instead of the register ring: the 8-chunk register ring (64 registers) of variant 0 is
-// what held it to 2 CTAs per SM (221 registers); without it 4 CTAs of 4 warps fit (16 warps per
-// SM, twice the warps to hide the HMMA and load latencies), with (D - 1) x C chunks per tile in
-// flight that cost no registers. B stages as in the other variants (cp.async, a CTA barrier per
-// chunk). Ring slot layout: per tile r, C chunks of codes (512 bytes each) then their C x 8
-// scale words; a tile's chunks and its scale words are contiguous in the packing, so a group is
-// 2 RW bulk copies.
+// Variants 4-8 (G = 4 and 8): the weights of the warp's RW tiles come through a per-warp
+// shared-memory ring filled by bulk copies (cp.async.bulk, completed on one mbarrier per ring
+// slot, issued by lane 0) instead of the register ring: the 8-chunk register ring (64 registers)
+// of variant 0 is what held it to 2 CTAs per SM (221 registers); without it 4 CTAs of 4 warps fit
+// (16 warps per SM), with (D - 1) x C chunks per tile in flight that cost no registers. B stages
+// as in the other variants (BStages). Ring slot layout: per tile r, C chunks of codes (512 bytes
+// each) then their C x 8 scale words; a tile's chunks and its scale words are contiguous in the
+// packing, so a group is 2 RW bulk copies.
 // Variant V: 4 = 4 warps, groups of 2 chunks; 5 = 8 warps, groups of 2, empty token groups
 // skipped (as 8); 6 = 4 warps, groups of 4 in 2 slots (half the copy instructions per chunk, one
-// group in flight while one is read);
-// 7 = as 6 with 2 B stages, so that 5 CTAs fit an SM (MXFP4 G = 4: 20 warps); 8 = as 6, with
-// the MMAs and B reads of token groups past the item's tokens skipped (an item of 9-16 tokens in
-// a 32-token tile does half the tensor work).
+// group in flight while one is read); 7 = as 6 with 2 B stages, so that 5 CTAs fit an SM (MXFP4
+// G = 4: 20 warps); 8 = as 6, with the MMAs and B reads of token groups past the item's tokens
+// predicated off (an item of 9-16 tokens in a 32-token tile does half the tensor work).
 template <class Fmt, int V>
 struct TiledBulkConfig {
   static constexpr int kWarps = V == 5 ? 8 : 4;
-  // CTAs per SM the registers must allow: G = 4: 4 of 4 warps or 2 of 8 (<= 128 registers; 89
-  // to 109 used), 5 for variant 7 MXFP4 (<= 96; NVFP4's larger ring leaves shared memory for 4).
-  // G = 8 (64 accumulators): 3 of 4 warps (its B stages
-  // leave shared memory for 3).
+  // CTAs per SM the registers must allow: G = 4: 4 of 4 warps or 2 of 8 (<= 128 registers; 95
+  // to 110 used), 5 for variant 7 MXFP4 (<= 96; NVFP4's larger ring leaves shared memory for 4).
+  // G = 8 (64 accumulators): 3 of 4 warps (its B stages leave shared memory for 3).
   static constexpr int MinBlocks(int groups) {
     return groups >= 8 ? 3 : kWarps == 8 ? 2 : V == 7 && sizeof(typename Fmt::Scale) == 4 ? 5 : 4;
   }
