@@ -183,25 +183,25 @@ struct GemmLaunch {
   // (expert_gemm_wgmma.cu), which reads and writes activations in natural K order.
   int token_groups = 1;
   // Tuning, 0..kMaxGemmVariant. token_groups <= 2: 0, 1, 2 = the weight-streaming kernel
-  // (expert_gemm.cu: 1 row warp, 1 row warp + L1 warm-up of B, 2 row warps + warm-up),
-  // 3 = the tiled kernel. token_groups >= 4: 0, 1, 2 = tiled configurations
-  // (expert_gemm_tiled.cu), 3 = the streaming kernel. 4: token_groups <= 2: the streaming kernel
-  // with the weights staged through a per-warp shared-memory ring filled by cp.async (more bytes
-  // in flight than the register ring of 0..2); token_groups >= 4: as 0. 5: as 4 with two row
-  // warps and a 2-way K split (longer streams per warp); 6: as 4 with a deeper ring (12 chunks
-  // per warp against 8); 7: four row warps, no K split (each warp streams a whole tile);
-  // token_groups >= 4: 4 = the tiled kernel with the weights in a per-warp shared-memory ring
-  // filled by bulk copies (4-warp CTAs, 4 per SM at G = 4), 5 = the same with 8-warp CTAs
-  // (2 per SM) and empty token groups skipped (G = 8: as 4), 6 = as 4 with groups of 4 chunks,
-  // 7 = as 6 with 2 B stages and 5 CTAs per SM (G = 8: as 6), 8 = as 6 without the MMAs of
-  // token groups past the item's tokens (the default), 9..13 as 0. 8..13 (token_groups <= 2): the ring filled by bulk copies
-  // (cp.async.bulk, one request per group of 2 or 4 chunks per warp, an mbarrier per ring slot;
-  // GemmUsesBulkCopies): 8 = four row warps, no K split, ring of 8 chunks in groups of 2; 9 = two
-  // row warps x 2-way K split, 12 chunks; 10 = one row warp x 4-way K split, 12 chunks; 11 = as
-  // 8 with 12 chunks in 3 groups of 4; 12 = as 8 with 2 groups of 4 (10 CTAs per SM); 13 = as
-  // 12 with 12 CTAs per SM (fewer registers). token_groups 18 (wgmma): 0 = 4 warpgroups x 1 m64
-  // block with a shared-memory weight ring (also 3..13), 1 = 2 x 2 with the register ring,
-  // 2 = 4 x 1 with the register ring. 0 is the measured best (NOTES-cuda.md; wgmma 0 and 2 tie).
+  // (expert_gemm.cu: 1 row warp, 1 row warp + L1 warm-up of B, 2 row warps + warm-up), 3 = the
+  // tiled kernel. token_groups >= 4: 0, 1, 2 = tiled configurations (expert_gemm_tiled.cu), 3 = the
+  // streaming kernel. 4: token_groups <= 2: the streaming kernel with the weights staged through a
+  // per-warp shared-memory ring filled by cp.async (more bytes in flight than the register ring of
+  // 0..2); token_groups >= 4: as 0. 5: as 4 with two row warps and a 2-way K split (longer streams
+  // per warp); 6: as 4 with a deeper ring (12 chunks per warp against 8); 7: four row warps, no K
+  // split (each warp streams a whole tile); token_groups >= 4: 4 = the tiled kernel with the
+  // weights in a per-warp shared-memory ring filled by bulk copies (4-warp CTAs, 4 per SM at G =
+  // 4), 5 = the same with 8-warp CTAs (2 per SM) and empty token groups skipped (G = 8: as 4), 6 =
+  // as 4 with groups of 4 chunks, 7 = as 6 with 2 B stages and 5 CTAs per SM (G = 8: as 6), 8 = as
+  // 6 without the MMAs of token groups past the item's tokens (the default), 9..13 as 0. 8..13
+  // (token_groups <= 2): the ring filled by bulk copies (cp.async.bulk, one request per group of 2
+  // or 4 chunks per warp, an mbarrier per ring slot; GemmUsesBulkCopies): 8 = four row warps, no K
+  // split, ring of 8 chunks in groups of 2; 9 = two row warps x 2-way K split, 12 chunks; 10 = one
+  // row warp x 4-way K split, 12 chunks; 11 = as 8 with 12 chunks in 3 groups of 4; 12 = as 8 with
+  // 2 groups of 4 (10 CTAs per SM); 13 = as 12 with 12 CTAs per SM (fewer registers). token_groups
+  // 18 (wgmma): 0 = 4 warpgroups x 1 m64 block with a shared-memory weight ring (also 3..13), 1 = 2
+  // x 2 with the register ring, 2 = 4 x 1 with the register ring. 0 is the measured best
+  // (NOTES-cuda.md; wgmma 0 and 2 tie).
   int variant = 0;
   int num_items = 0;     // the host's count (the device writes the same to *p.num_items)
   // Programmatic dependent launch: the kernel may start before its predecessor in the stream

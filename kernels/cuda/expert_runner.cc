@@ -358,8 +358,9 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   g1.out_cols = static_cast<int32_t>(layer.inter_padded);
   g1.act = layer.act;
   g1.act_out = act_.as<uint16_t>();
-  // The shared-memory ring variants (4..13; tiled 4..7) read the weights with an L2 evict-first
-  // policy (measured 3-8% faster at 8-64 tokens, NOTES-cuda.md).
+  // The shared-memory ring variants read the weights with an L2 evict-first policy: 4..13 for
+  // 1-2 token groups (measured 3-8% faster at 8-64 tokens, NOTES-cuda.md) and tiled 4..7 (A 512
+  // variant 6: 795 vs 811 us). Tiled variant 8, the default, was measured and kept without it.
   g1.weights_evict_first =
       evict_first_ && variant >= 4 && (plan.token_groups <= 2 || variant <= 7);
   if (GemmUsesBulkCopies(plan.token_groups, variant)) {

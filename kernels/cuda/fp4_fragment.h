@@ -48,8 +48,9 @@ inline constexpr uint32_t kSignMask = 0x80008000u;  // bf16 bit 15 of both halve
 // the word. Chosen so that no kept bit wraps around: each rotation is a plain shift (left by 0,
 // 3, 6 / 0, 3, 2, 1; right by 3 for register 3's magnitude), and the compiler can issue left
 // shifts as IMAD.SHL on the FMA pipe instead of funnel shifts on the integer ALU pipe, which the
-// masks and the rest of the decode keep busy (7 ALU + 4 FMA-pipe instructions per word instead
-// of 11 ALU; registers 0 and 1 need a single shift).
+// masks and the rest of the decode keep busy. Still 11 instructions per word (registers 0 and 1
+// need a single shift); ptxas puts about half of the shifts on the FMA pipe (~8.5 ALU
+// instructions per word instead of 11, NOTES-cuda.md).
 MOE_HD constexpr int MagRotation(int j) { return j == 0 ? 0 : j == 1 ? 29 : j == 2 ? 26 : 3; }
 MOE_HD constexpr int SignRotation(int j) { return j == 0 ? 0 : j == 1 ? 29 : j == 2 ? 30 : 31; }
 
