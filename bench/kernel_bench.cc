@@ -324,6 +324,7 @@ int Main() {
         bool evict = true;
         bool fold = true;
         bool fold_grouped = false;
+        bool tiled_evict = false;
       } knobs[] = {{"variant0_grouped", 0, true, false},
                    {"variant0_direct", 0, true, true},
                    {"variant4_grouped", 4, true, false},
@@ -340,12 +341,15 @@ int Main() {
                    {"variant11", 11, true, true},
                    {"variant12", 12, true, true},
                    {"variant13", 13, true, true},
+                   {"variant14", 14, true, true},
+                   {"variant15", 15, true, true},
                    {"variant12_no_fold", 12, true, true, kAutoL2, true, false},
                    {"variant12_fold_grouped", 12, true, true, kAutoL2, true, true, true},
                    {"variant6_no_evict_first", 6, true, true, kAutoL2, false},
                    {"variant4_no_evict_first", 4, true, true, kAutoL2, false},
                    {"variant7_no_evict_first", 7, true, true, kAutoL2, false},
                    {"variant8_no_evict_first", 8, true, true, kAutoL2, false},
+                   {"variant8_evict_first", 8, true, true, kAutoL2, true, true, false, true},
                    {"variant11_no_evict_first", 11, true, true, kAutoL2, false},
                    {"variant8_l2_own", 8, true, true, cuda::kL2PrefetchOwn},
                    {"variant8_l2_ahead", 8, true, true, cuda::kL2PrefetchAhead},
@@ -374,6 +378,7 @@ int Main() {
         runner.set_weights_evict_first(k.evict);
         runner.set_fold_combine(k.fold);
         runner.set_fold_grouped(k.fold_grouped);
+        runner.set_tiled_evict_first(k.tiled_evict);
         const Stats st = Summarize(TimeGraph(layer, runner, sets, false, reps, stream));
         std::printf("      %-16s median %8.1f us (p10 %8.1f p90 %8.1f)\n", k.name, st.median,
                     st.p10, st.p90);
@@ -386,6 +391,7 @@ int Main() {
       runner.set_weights_evict_first(true);
       runner.set_fold_combine(true);
       runner.set_fold_grouped(false);
+      runner.set_tiled_evict_first(false);
       // Smaller token tiles than the plan's choice: more items, each expert's weights re-read
       // (from L2 when the items run together), the few-token kernels instead of the tiled one.
       for (int groups : {1, 2, 4}) {

@@ -146,6 +146,9 @@ class ExpertRunner {
   static constexpr int kAutoL2Prefetch = -1;
   void set_l2_prefetch(int bits) { l2_prefetch_ = bits; }
   void set_weights_evict_first(bool on) { evict_first_ = on; }
+  // Also the evict-first policy on tiled variant 8's weight copies (the items of 32+ tokens).
+  // Off by default (measured without it, NOTES-cuda.md); a bench knob.
+  void set_tiled_evict_first(bool on) { tiled_evict_first_ = on; }
 
  private:
   absl::Status Mark(int stage, cudaStream_t stream) const;
@@ -159,6 +162,7 @@ class ExpertRunner {
   bool fold_grouped_ = false;
   int l2_prefetch_ = kAutoL2Prefetch;
   bool evict_first_ = true;
+  bool tiled_evict_first_ = false;
   cudaEvent_t* stage_events_ = nullptr;
   DeviceBuffer x_staged_;
   DeviceBuffer slot_token_;
