@@ -65,7 +65,8 @@ make_bundle() {
 run_bundle() {
   local out="${OUT:-/tmp/out}"
   mkdir -p "$out"
-  if [[ -f "$B"/b.txz && ! -f "$B"/commit ]]; then tar xJf "$B"/b.txz -C "$B"; fi
+  # Always unpack: binaries left from an earlier call may still sit beside a newer archive.
+  if [[ -f "$B"/b.txz ]]; then tar xJf "$B"/b.txz -C "$B"; fi
   has() { [[ -x "$B/$1" ]]; }
   export LD_LIBRARY_PATH="$PWD/$B/lib:${LD_LIBRARY_PATH:-}"
   local commit

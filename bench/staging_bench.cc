@@ -23,6 +23,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "bench/gpu_bench_util.h"
 #include "kernels/cuda/expert_runner.h"
 #include "kernels/cuda/staging_runner.h"
@@ -36,6 +37,7 @@ ABSL_FLAG(std::vector<std::string>, formats, std::vector<std::string>({"mxfp8", 
           "formats to time");
 ABSL_FLAG(int, reps, 50, "graph replays timed at 4096 tokens");
 ABSL_FLAG(bool, small, true, "also time 1, 8 and 64 tokens");
+ABSL_FLAG(bool, sweep, false, "also time MXFP8 blocks of 256, 512 and 1024 threads at 4096 tokens");
 
 namespace moe::bench {
 namespace {
@@ -165,15 +167,48 @@ int Main() {
     if (std::find(formats.begin(), formats.end(), name) == formats.end()) continue;
     std::vector<std::unique_ptr<StagingSet>> big;
     for (int i = 0; i < 4; ++i) big.push_back(MakeSet(format, 4096, **dp, load, hosted, rng));
+    // The same launches without programmatic dependent launch (each waits for the previous
+    // kernel to finish before it is scheduled), timed first.
+    for (auto& set : big) set->params.programmatic = false;
+    const double plain_us = TimeLaunches(big, 1, absl::GetFlag(FLAGS_reps), stream);
+    for (auto& set : big) set->params.programmatic = true;
     const double us = TimeLaunches(big, 1, absl::GetFlag(FLAGS_reps), stream);
     const double bytes = LaunchBytes(format, 4096);
+    nlohmann::json block_sweep = nlohmann::json::object();
+    if (format == StagingFormat::kMxfp8 && absl::GetFlag(FLAGS_sweep)) {
+      // programmatic: allowed (the launcher never uses it for 1024-thread blocks) or not.
+      for (bool programmatic : {true, false}) {
+        for (int threads : {256, 512, 1024}) {
+          if (programmatic && threads == 1024) continue;
+          for (auto& set : big) {
+            set->params.mxfp8_block_threads = threads;
+            set->params.programmatic = programmatic;
+          }
+          const double t = TimeLaunches(big, 1, absl::GetFlag(FLAGS_reps), stream);
+          std::printf("mxfp8 4096 x %lld, %d-thread blocks, programmatic %d: %8.2f us, %.1f%% of "
+                      "copy bandwidth\n",
+                      static_cast<long long>(kHidden), threads, programmatic ? 1 : 0, t,
+                      100 * bytes / (t * 1e-6) / copy_bw);
+          block_sweep[absl::StrCat(threads, programmatic ? "_pdl" : "_plain")] = t;
+        }
+      }
+      for (auto& set : big) {
+        set->params.mxfp8_block_threads = 0;
+        set->params.programmatic = true;
+      }
+    }
     const double rate = bytes / (us * 1e-6);
     std::printf("%s 4096 x %lld + remap + load: %8.2f us, %.1f MB, %.3f TB/s = %.1f%% of copy "
                 "bandwidth (target >= 80%%) %s\n",
                 name, static_cast<long long>(kHidden), us, bytes / 1e6, rate / 1e12,
                 100 * rate / copy_bw, rate >= 0.8 * copy_bw ? "MET" : "missed");
+    std::printf("%s 4096 x %lld without programmatic launch: %8.2f us, %.1f%% of copy bandwidth\n",
+                name, static_cast<long long>(kHidden), plain_us,
+                100 * bytes / (plain_us * 1e-6) / copy_bw);
     points.push_back({{"format", name}, {"tokens", 4096}, {"hidden", kHidden},
-                      {"median_us_per_launch", us}, {"bytes", bytes},
+                      {"median_us_per_launch", us}, {"median_us_per_launch_no_pdl", plain_us},
+                      {"mxfp8_block_threads_sweep_us", block_sweep},
+                      {"bytes", bytes},
                       {"TBps", rate / 1e12}, {"fraction_of_copy_bw", rate / copy_bw},
                       {"target_fraction", 0.8}});
     big.clear();
@@ -187,6 +222,16 @@ int Main() {
                   "%.2f us per launch\n",
                   name, static_cast<long long>(tokens), single, single <= 8 ? "MET" : "missed",
                   chained);
+      if (format == StagingFormat::kMxfp8 && absl::GetFlag(FLAGS_sweep)) {
+        for (int threads : {256, 1024}) {
+          one[0]->params.mxfp8_block_threads = threads;
+          std::printf("mxfp8 T=%2lld, %d-thread blocks: graph of one launch %.2f us; back-to-back "
+                      "%.2f us per launch\n",
+                      static_cast<long long>(tokens), threads,
+                      TimeLaunches(one, 1, 200, stream), TimeLaunches(one, 32, 50, stream));
+        }
+        one[0]->params.mxfp8_block_threads = 0;
+      }
       points.push_back({{"format", name}, {"tokens", tokens}, {"hidden", kHidden},
                         {"graph_of_one_launch_median_us", single},
                         {"back_to_back_us_per_launch", chained}, {"target_us", 8}});

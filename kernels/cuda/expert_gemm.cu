@@ -39,31 +39,25 @@ using namespace detail;  // NOLINT: the shared device stages
 // (BulkRing).
 // More tokens (G >= 4, variant 3 there): each warp covers two row tiles so every B fragment
 // feeds two MMAs.
-// Variant 14 (G <= 4): as 11 (RT 4 x KS 1, ring of 3 groups of 4 chunks), the MMAs of token
-// groups past the item's tokens skipped; the only bulk-copy variant of this kernel for G = 4.
-// Variant 15 (G <= 2): as 10 (RT 1 x KS 4) with the ring of 12 (2 groups of 4 chunks) and 12
-// CTAs per SM, so that one token's GEMM1 over 4 experts of problem A (1440 CTAs) is one wave.
 template <int G, int V>
 struct GemmConfig {
-  static constexpr bool kBulk = (G <= 2 && V >= 8) || (G == 4 && V == 14);
-  static constexpr bool kFew = G <= 2 || kBulk;  // one tile per warp
-  static constexpr int kRw = kFew ? 1 : 2;
+  static constexpr int kRw = G <= 2 ? 1 : 2;
   static constexpr bool kWholeTile = V == 7 || V == 8 || V >= 11;
-  static constexpr int kRt = kFew ? (V == 2 || V == 5 || V == 9 ? 2 : kWholeTile ? 4 : 1) : 2;
-  static constexpr int kKs = kFew ? (V == 5 || V == 9 ? 2 : kWholeTile ? 1 : 4) : 2;
+  static constexpr int kRt = G <= 2 ? (V == 2 || V == 5 || V == 9 ? 2 : kWholeTile ? 4 : 1) : 2;
+  static constexpr int kKs = G <= 2 ? (V == 5 || V == 9 ? 2 : kWholeTile ? 1 : 4) : 2;
   static constexpr int kPrefetch = G <= 2 ? 4 : 2;
   static constexpr bool kPrefetchB = G <= 2;
   static constexpr bool kWarmL1 = G <= 2 && (V == 1 || V == 2);
   static constexpr bool kSmemRing = G <= 2 && V >= 4 && V <= 7;
-  static constexpr bool kSkipEmptyGroups = V == 14;
+  static constexpr bool kBulk = G <= 2 && V >= 8;
 };
 
 // Ring of the bulk-copy variants (BulkRingLayout: slots x chunks per slot): 8: 4 x 2 chunks,
-// 9 and 10: 6 x 2, 11 and 14: 3 x 4 (fewer, larger requests), 12, 13 and 15: 2 x 4 (less shared
-// memory: 10 and 12 CTAs per SM).
+// 9 and 10: 6 x 2, 11: 3 x 4 (fewer, larger requests), 12 and 13: 2 x 4 (less shared memory: 10
+// and 12 CTAs per SM).
 template <int V>
 constexpr int BulkSlots() {
-  return V == 8 ? 4 : V == 11 || V == 14 ? 3 : V >= 12 ? 2 : 6;
+  return V == 8 ? 4 : V == 11 ? 3 : V >= 12 ? 2 : 6;
 }
 template <class Fmt, int V>
 using BulkRing = BulkRingLayout<Fmt, V >= 11 ? 4 : 2, BulkSlots<V>()>;
@@ -92,10 +86,9 @@ constexpr bool Capped() {
 }
 template <class Fmt, int G, int V>
 constexpr int MinCtasPerSm() {
-  if (G == 4) return GemmConfig<G, V>::kBulk ? 4 : 1;  // B ping-pong of 4 groups: <= 128 registers
   if (G != 1) return GemmConfig<G, V>::kBulk ? 7 : 1;
   if (V == 12) return 10;
-  if (V == 13 || V == 15) return 12;
+  if (V == 13) return 12;
   return sizeof(typename Fmt::Scale) == 4 ? 8 : 7;
 }
 template <int G, int V>
@@ -399,13 +392,9 @@ __device__ __forceinline__ void GemmBody(const ExpertGemmParams& p, int row_bloc
     const int c_begin = static_cast<int>(static_cast<int64_t>(p.chunks) * uks / KS);
     const int c_end = static_cast<int>(static_cast<int64_t>(p.chunks) * (uks + 1) / KS);
     using Ring = BulkRing<Fmt, V>;
-    // Token groups holding tokens of this item (warp-uniform); the others' MMAs are skipped.
-    const int used = Cfg::kSkipEmptyGroups
-                         ? __shfl_sync(0xffffffffu, min(G, (item.count + kTileTokens - 1) / kTileTokens), 0)
-                         : G;
     WarpMainloopBulk<Fmt, G, Ring>(p, values, scales, c_begin, c_end - c_begin, b_rows,
                                    wait_after_prefetch, bulk_ring + uwarp * Ring::kWarpBytes,
-                                   bulk_bars + uwarp * Ring::kSlots, acc, used);
+                                   bulk_bars + uwarp * Ring::kSlots, acc);
   } else if constexpr (Cfg::kSmemRing) {
     static_assert(RW == 1, "the ring main loop streams one tile per warp");
     constexpr int kWarpChunks = RingDepth<Fmt, V>();
@@ -474,29 +463,27 @@ constexpr GemmEntry Entry() {
                    CtaThreads<G, V>(), CtaRowsOf<G, V>()};
 }
 
-// Variants of this kernel: token groups <= 2: every one but 3 (the tiled kernel, its column here
-// unused); token groups 4: variant 3, in column 0, and 14; token groups 8: variant 3, in column 0
-// (the other columns are the tiled kernel's).
+// Variants of this kernel: token groups <= 2: 0, 1, 2, 4 (variant 3 is the tiled kernel, its
+// column here unused); token groups >= 4: variant 3, in column 0 (0, 1, 2, 4 are tiled).
 const GemmEntry kGemmTable[4][kMaxGemmVariant + 1] = {
     {Entry<1, 0>(), Entry<1, 1>(), Entry<1, 2>(), Entry<1, 0>(), Entry<1, 4>(), Entry<1, 5>(),
      Entry<1, 6>(), Entry<1, 7>(), Entry<1, 8>(), Entry<1, 9>(), Entry<1, 10>(), Entry<1, 11>(),
-     Entry<1, 12>(), Entry<1, 13>(), Entry<1, 14>(), Entry<1, 15>()},
+     Entry<1, 12>(), Entry<1, 13>()},
     {Entry<2, 0>(), Entry<2, 1>(), Entry<2, 2>(), Entry<2, 0>(), Entry<2, 4>(), Entry<2, 5>(),
      Entry<2, 6>(), Entry<2, 7>(), Entry<2, 8>(), Entry<2, 9>(), Entry<2, 10>(), Entry<2, 11>(),
-     Entry<2, 12>(), Entry<2, 13>(), Entry<2, 14>(), Entry<2, 15>()},
+     Entry<2, 12>(), Entry<2, 13>()},
     {Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(),
      Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(),
-     Entry<4, 0>(), Entry<4, 0>(), Entry<4, 14>(), Entry<4, 0>()},
+     Entry<4, 0>(), Entry<4, 0>()},
     {Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(),
      Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(),
-     Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>()}};
+     Entry<8, 0>(), Entry<8, 0>()}};
 
 // The ring kernels want the largest shared-memory carveout (their occupancy is bounded by shared
 // memory); set once, before their first launch.
 cudaError_t SetRingCarveouts() {
-  for (int gi = 0; gi < 3; ++gi) {
+  for (int gi = 0; gi < 2; ++gi) {
     for (int v = 4; v <= kMaxGemmVariant; ++v) {
-      if (gi == 2 && v != 14) continue;  // token groups 4: only variant 14 is a ring kernel here
       const GemmEntry& e = kGemmTable[gi][v];
       for (GemmKernel k : {e.mxfp4_gemm1, e.mxfp4_gemm2, e.nvfp4_gemm1, e.nvfp4_gemm2}) {
         const cudaError_t err = cudaFuncSetAttribute(
@@ -554,8 +541,7 @@ cudaError_t LaunchExpertGemm(const ExpertGemmParams& p, const GemmLaunch& launch
     static const cudaError_t carveout = SetRingCarveouts();
     if (carveout != cudaSuccess) return carveout;
   }
-  const GemmEntry& e =
-      kGemmTable[index][launch.token_groups >= 4 && launch.variant == 3 ? 0 : launch.variant];
+  const GemmEntry& e = kGemmTable[index][launch.token_groups >= 4 ? 0 : launch.variant];
   // GEMM1 rows: gate+up pairs of every act column (I padded to 64); GEMM2 rows: H.
   const int64_t rows = launch.gemm1 ? 2 * static_cast<int64_t>(p.out_cols) : p.out_valid;
   const int64_t row_blocks = (rows + e.cta_rows - 1) / e.cta_rows;

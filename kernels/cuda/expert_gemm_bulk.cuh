@@ -33,15 +33,13 @@ struct BulkRingLayout {
 // parity, then reads its 16 bytes and its row pair's scale word per chunk. Step j refills the
 // slot of step j - 1 (after a __syncwarp: every lane has used what it read there) with group
 // j - 1 + kSlots, so kSlots - 1 groups stay in flight without registers. B fragments: the
-// ping-pong pair, as the ring of variants 4..7 (kGroup even, so chunk parity is static). `used`:
-// token groups whose MMAs run (warp-uniform, 1..G; the rest hold no tokens).
+// ping-pong pair, as the ring of variants 4..7 (kGroup even, so chunk parity is static).
 template <class Fmt, int G, class Ring>
 __device__ __forceinline__ void WarpMainloopBulk(const ExpertGemmParams& p, const uint4* values,
                                                  const typename Fmt::Scale* scales, int c_begin,
                                                  int n, const uint4* const (&b_rows)[G],
                                                  bool wait_after_prefetch, unsigned char* ring,
-                                                 uint64_t* bars, float (&acc)[1][G][4],
-                                                 int used = G) {
+                                                 uint64_t* bars, float (&acc)[1][G][4]) {
   using Scale = typename Fmt::Scale;
   constexpr int C = Ring::kGroup, D = Ring::kSlots;
   static_assert(C % 2 == 0, "the B ping-pong needs an even group");
@@ -125,7 +123,7 @@ __device__ __forceinline__ void WarpMainloopBulk(const ExpertGemmParams& p, cons
         const int chunk = c_begin + i;
 #pragma unroll
         for (int q = 0; q < G; ++q) LoadBIf(i + 1 < n, b_rows[q], chunk + 1, b[(c + 1) & 1][q]);
-        MultiplyChunkLoaded<Fmt, 1, G>(v, s, b[c & 1], acc, used);
+        MultiplyChunkLoaded<Fmt, 1, G>(v, s, b[c & 1], acc);
       }
     }
   }

@@ -287,18 +287,18 @@ __device__ __forceinline__ void ZeroAccumulators(float (&acc)[RW][G][4]) {
       for (int e = 0; e < 4; ++e) acc[r][q][e] = 0.f;
 }
 
-// B fragments already in registers (loaded a chunk ahead); `used` as MultiplyHalfChunk.
+// B fragments already in registers (loaded a chunk ahead).
 template <class Fmt, int RW, int G>
 __device__ __forceinline__ void MultiplyChunkLoaded(const uint4 (&v)[RW],
                                                     const typename Fmt::Scale (&s)[RW],
                                                     const uint4 (&b)[G][2],
-                                                    float (&acc)[RW][G][4], int used = G) {
+                                                    float (&acc)[RW][G][4]) {
 #pragma unroll
   for (int u = 0; u < 2; ++u) {
     uint4 bu[G];
 #pragma unroll
     for (int q = 0; q < G; ++q) bu[q] = b[q][u];
-    MultiplyHalfChunk<Fmt, RW, G>(v, s, u, bu, acc, used);
+    MultiplyHalfChunk<Fmt, RW, G>(v, s, u, bu, acc);
   }
 }
 

@@ -29,7 +29,13 @@ namespace moe::cuda {
 namespace {
 
 constexpr unsigned kFull = 0xFFFFFFFFu;
-constexpr int kMxfp8Threads = kStagingThreads;
+// MXFP8 quantization blocks (H200, NOTES-cuda.md): 1024 threads for large inputs, launched
+// without programmatic serialization (4096 x 7168: 25.90-25.98 us against 26.21-26.40 with it and
+// 26.64-26.79 for 256-thread blocks with it), 256 below a wave of 1024-thread blocks (T = 64,
+// H = 7168: 4.42-4.48 us for a graph of one launch against 4.74-4.86).
+constexpr int kMxfp8Threads = 256;
+constexpr int kMxfp8LargeThreads = 1024;
+constexpr int64_t kMxfp8LargeChunks = int64_t{1} << 19;  // 256 blocks of 1024 x 2 chunks
 // MXFP8 chunks per thread: 2 measured best on the H200 (1: the same, 4 and 8: slower).
 constexpr int kMxfp8ThreadChunks = 2;
 // NVFP4: groups of 16 per lane and row tile (two 16-byte loads each), so a warp covers 128
@@ -212,26 +218,36 @@ __device__ __forceinline__ void QuantizeMxfp8Chunk(const StagingParams& p, const
 
 // Chunks are numbered over the whole [T, H] input (H / 8 per row, a multiple of 16, so every
 // aligned 16-lane span is one scale word of one row and is valid or invalid as a whole).
-__global__ void __launch_bounds__(kMxfp8Threads)
+// Programmatic dependent launch (StagingParams::programmatic): wait for the previous kernel's
+// completion and visible writes, then let the next kernel start launching. No-ops when the kernel
+// was launched without the attribute.
+__device__ __forceinline__ void ProgrammaticStart() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads)
     StageMxfp8Kernel(const StagingParams p, int remap_blocks) {
+  ProgrammaticStart();
   if (static_cast<int>(blockIdx.x) < remap_blocks) {
     RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
     return;
   }
   const int64_t chunks = static_cast<int64_t>(p.tokens) * p.hidden_size / 8;
   const int64_t first =
-      static_cast<int64_t>(blockIdx.x - remap_blocks) * kMxfp8Threads * kMxfp8ThreadChunks +
+      static_cast<int64_t>(blockIdx.x - remap_blocks) * kThreads * kMxfp8ThreadChunks +
       threadIdx.x;
   const uint4* x = reinterpret_cast<const uint4*>(p.x);
   uint4 raw[kMxfp8ThreadChunks];
 #pragma unroll
   for (int j = 0; j < kMxfp8ThreadChunks; ++j) {
-    const int64_t c = first + j * kMxfp8Threads;
+    const int64_t c = first + j * kThreads;
     raw[j] = c < chunks ? LoadOnce(x + c) : make_uint4(0, 0, 0, 0);
   }
 #pragma unroll
   for (int j = 0; j < kMxfp8ThreadChunks; ++j) {
-    QuantizeMxfp8Chunk(p, raw[j], first + j * kMxfp8Threads, chunks);
+    QuantizeMxfp8Chunk(p, raw[j], first + j * kThreads, chunks);
   }
 }
 
@@ -407,6 +423,7 @@ __device__ __forceinline__ void QuantizeNvfp4Tile(const Nvfp4RowOut& out, const 
 // Block size: one warp per kNvfp4WarpChunks chunks of the row, at most kNvfp4MaxThreads.
 __global__ void __launch_bounds__(kNvfp4MaxThreads)
     StageNvfp4Kernel(const StagingParams p, int remap_blocks) {
+  ProgrammaticStart();
   if (static_cast<int>(blockIdx.x) < remap_blocks) {
     RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
     return;
@@ -437,27 +454,39 @@ __global__ void __launch_bounds__(kNvfp4MaxThreads)
 cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   const bool nvfp4 = p.format == StagingFormat::kNvfp4;
   const bool quantize = p.x != nullptr && p.tokens > 0;
-  int threads = kMxfp8Threads;
+  const int64_t mx_chunks = static_cast<int64_t>(p.tokens) * p.hidden_size / 8;
+  const int mx_threads = p.mxfp8_block_threads != 0        ? p.mxfp8_block_threads
+                         : mx_chunks >= kMxfp8LargeChunks ? kMxfp8LargeThreads
+                                                          : kMxfp8Threads;
+  if (mx_threads != 256 && mx_threads != 512 && mx_threads != 1024) return cudaErrorInvalidValue;
+  int threads = mx_threads;
   int64_t quant_blocks = 0;
   if (nvfp4) {
     const int warps = (p.hidden_size / 8 + kNvfp4WarpChunks - 1) / kNvfp4WarpChunks;
     threads = 32 * std::min(std::max(warps, 1), kNvfp4MaxThreads / 32);
     if (quantize) quant_blocks = p.tokens;
   } else if (quantize) {
-    const int64_t chunks = static_cast<int64_t>(p.tokens) * p.hidden_size / 8;
-    const int64_t per_block = static_cast<int64_t>(kMxfp8Threads) * kMxfp8ThreadChunks;
-    quant_blocks = (chunks + per_block - 1) / per_block;
+    const int64_t per_block = static_cast<int64_t>(mx_threads) * kMxfp8ThreadChunks;
+    quant_blocks = (mx_chunks + per_block - 1) / per_block;
   }
   const int64_t routes = p.topk_ids != nullptr ? static_cast<int64_t>(p.tokens) * p.top_k : 0;
   const int remap_blocks = static_cast<int>((routes + threads - 1) / threads);
   if (quant_blocks + remap_blocks == 0) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>(quant_blocks + remap_blocks));
-  if (nvfp4) {
-    StageNvfp4Kernel<<<grid, threads, 0, stream>>>(p, remap_blocks);
-  } else {
-    StageMxfp8Kernel<<<grid, threads, 0, stream>>>(p, remap_blocks);
-  }
-  return cudaGetLastError();
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(quant_blocks + remap_blocks));
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  // 1024-thread MXFP8 blocks measured faster without it (a waiting block holds half an SM).
+  config.numAttrs = p.programmatic && (nvfp4 || mx_threads != 1024) ? 1 : 0;
+  void (*kernel)(StagingParams, int) = nvfp4                ? StageNvfp4Kernel
+                                       : mx_threads == 1024 ? StageMxfp8Kernel<1024>
+                                       : mx_threads == 512  ? StageMxfp8Kernel<512>
+                                                            : StageMxfp8Kernel<256>;
+  return cudaLaunchKernelEx(&config, kernel, p, remap_blocks);
 }
 
 }  // namespace moe::cuda

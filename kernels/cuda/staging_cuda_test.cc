@@ -91,7 +91,9 @@ size_t Mismatches(const std::vector<T>& got, const std::vector<T>& want) {
   return n;
 }
 
-void CheckCase(StagingFormat format, int64_t tokens, int64_t hidden, uint64_t seed) {
+// mx_threads: StagingParams::mxfp8_block_threads; programmatic: StagingParams::programmatic.
+void CheckCase(StagingFormat format, int64_t tokens, int64_t hidden, uint64_t seed,
+               int mx_threads = 0, bool programmatic = true) {
   SCOPED_TRACE(testing::Message() << (format == StagingFormat::kMxfp8 ? "MXFP8" : "NVFP4")
                                   << " T=" << tokens << " H=" << hidden << " seed=" << seed);
   std::mt19937_64 rng(seed);
@@ -162,6 +164,8 @@ void CheckCase(StagingFormat format, int64_t tokens, int64_t hidden, uint64_t se
   p.hosted = DeviceCopy(hosted, dhosted);
   p.load_size = kSlots;
   p.num_unpadded = static_cast<int32_t>(num_unpadded);
+  p.mxfp8_block_threads = mx_threads;
+  p.programmatic = programmatic;
   ASSERT_TRUE(EnqueueStaging(p, nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
@@ -186,6 +190,13 @@ TEST(StagingCudaTest, Mxfp8MatchesCpuBitForBit) {
   for (int64_t tokens : {1, 2, 7, 64, 333, 4096}) {
     for (int64_t hidden : {128, 2944, 7168}) CheckCase(StagingFormat::kMxfp8, tokens, hidden, seed + tokens * 31 + hidden);
   }
+  // The other block sizes, and a plain launch.
+  for (int threads : {512, 1024}) {
+    for (int64_t tokens : {1, 7, 333}) {
+      CheckCase(StagingFormat::kMxfp8, tokens, 2944, seed + tokens * 7 + threads, threads);
+    }
+  }
+  CheckCase(StagingFormat::kMxfp8, 64, 7168, seed + 5, 0, false);
 }
 
 TEST(StagingCudaTest, Nvfp4MatchesCpuBitForBit) {
@@ -208,6 +219,8 @@ TEST(StagingCudaTest, RemapOnlyAndRejectsBadHidden) {
   p.hidden_size = 2880;  // not a multiple of 128
   EXPECT_EQ(EnqueueStaging(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
   p.hidden_size = 128;  // outputs missing
+  EXPECT_EQ(EnqueueStaging(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  p.mxfp8_block_threads = 384;  // not a supported block size
   EXPECT_EQ(EnqueueStaging(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
 }
 

@@ -80,6 +80,12 @@ absl::StatusOr<std::unique_ptr<DevicePlacement>> UploadPlacement(const LayerPlac
 
 absl::Status EnqueueStaging(const StagingParams& p, cudaStream_t stream) {
   if (p.tokens < 0) return absl::InvalidArgumentError("staging: negative token count");
+  if (p.mxfp8_block_threads != 0 && p.mxfp8_block_threads != 256 &&
+      p.mxfp8_block_threads != 512 && p.mxfp8_block_threads != 1024) {
+    return absl::InvalidArgumentError(absl::StrCat("staging: mxfp8_block_threads ",
+                                                   p.mxfp8_block_threads,
+                                                   " is not 0, 256, 512 or 1024"));
+  }
   if (absl::Status s = CheckQuantization(p); !s.ok()) return s;
   if (absl::Status s = CheckRemap(p); !s.ok()) return s;
   return CudaStatus(LaunchStaging(p, stream), "staging kernel launch");
