@@ -35,9 +35,8 @@ using namespace detail;  // NOLINT: the shared device stages
 // variant 6: as 4 with a deeper ring (fewer CTAs per SM, more chunks in flight per warp);
 // variant 7: RT 4, KS 1 (each warp streams a whole tile; no K-split reduction).
 // Variants 8..11 (G <= 2): the ring filled by bulk copies (WarpMainloopBulk): 8 = RT 4 x KS 1,
-// 9 = RT 2 x KS 2, 10 = RT 1 x KS 4, 11..15 = RT 4 x KS 1 with rings of larger groups
-// (BulkRing); 14 and 15 run whole groups without per-chunk end checks (WarpMainloopBulk
-// kFullGroups), 15 with groups of 8 chunks.
+// 9 = RT 2 x KS 2, 10 = RT 1 x KS 4, 11..13 = RT 4 x KS 1 with rings of larger groups
+// (BulkRing).
 // More tokens (G >= 4, variant 3 there): each warp covers two row tiles so every B fragment
 // feeds two MMAs.
 template <int G, int V>
@@ -54,14 +53,14 @@ struct GemmConfig {
 };
 
 // Ring of the bulk-copy variants (BulkRingLayout: slots x chunks per slot): 8: 4 x 2 chunks,
-// 9 and 10: 6 x 2, 11: 3 x 4 (fewer, larger requests), 12, 13 and 14: 2 x 4 (less shared memory:
-// 10 and 12 CTAs per SM), 15: 2 x 8 (half the group boundaries, 6 CTAs per SM).
+// 9 and 10: 6 x 2, 11: 3 x 4 (fewer, larger requests), 12 and 13: 2 x 4 (less shared memory: 10
+// and 12 CTAs per SM).
 template <int V>
 constexpr int BulkSlots() {
   return V == 8 ? 4 : V == 11 ? 3 : V >= 12 ? 2 : 6;
 }
 template <class Fmt, int V>
-using BulkRing = BulkRingLayout<Fmt, V == 15 ? 8 : V >= 11 ? 4 : 2, BulkSlots<V>()>;
+using BulkRing = BulkRingLayout<Fmt, V >= 11 ? 4 : 2, BulkSlots<V>()>;
 
 // Chunks per warp in the shared-memory ring of variants 4..7: 512 bytes of codes (each lane
 // copies and reads its own 16) plus the 8 scale words of the chunk (MXFP4 32 bytes, NVFP4 128;
@@ -87,10 +86,9 @@ constexpr bool Capped() {
 }
 template <class Fmt, int G, int V>
 constexpr int MinCtasPerSm() {
-  if (G != 1) return GemmConfig<G, V>::kBulk ? (V == 15 ? 6 : 7) : 1;
-  if (V == 12 || V == 14) return 10;
+  if (G != 1) return GemmConfig<G, V>::kBulk ? 7 : 1;
+  if (V == 12) return 10;
   if (V == 13) return 12;
-  if (V == 15) return 6;
   return sizeof(typename Fmt::Scale) == 4 ? 8 : 7;
 }
 template <int G, int V>
@@ -394,7 +392,7 @@ __device__ __forceinline__ void GemmBody(const ExpertGemmParams& p, int row_bloc
     const int c_begin = static_cast<int>(static_cast<int64_t>(p.chunks) * uks / KS);
     const int c_end = static_cast<int>(static_cast<int64_t>(p.chunks) * (uks + 1) / KS);
     using Ring = BulkRing<Fmt, V>;
-    WarpMainloopBulk<Fmt, G, Ring, (V >= 14)>(p, values, scales, c_begin, c_end - c_begin, b_rows,
+    WarpMainloopBulk<Fmt, G, Ring>(p, values, scales, c_begin, c_end - c_begin, b_rows,
                                    wait_after_prefetch, bulk_ring + uwarp * Ring::kWarpBytes,
                                    bulk_bars + uwarp * Ring::kSlots, acc);
   } else if constexpr (Cfg::kSmemRing) {
@@ -470,16 +468,16 @@ constexpr GemmEntry Entry() {
 const GemmEntry kGemmTable[4][kMaxGemmVariant + 1] = {
     {Entry<1, 0>(), Entry<1, 1>(), Entry<1, 2>(), Entry<1, 0>(), Entry<1, 4>(), Entry<1, 5>(),
      Entry<1, 6>(), Entry<1, 7>(), Entry<1, 8>(), Entry<1, 9>(), Entry<1, 10>(), Entry<1, 11>(),
-     Entry<1, 12>(), Entry<1, 13>(), Entry<1, 14>(), Entry<1, 15>()},
+     Entry<1, 12>(), Entry<1, 13>()},
     {Entry<2, 0>(), Entry<2, 1>(), Entry<2, 2>(), Entry<2, 0>(), Entry<2, 4>(), Entry<2, 5>(),
      Entry<2, 6>(), Entry<2, 7>(), Entry<2, 8>(), Entry<2, 9>(), Entry<2, 10>(), Entry<2, 11>(),
-     Entry<2, 12>(), Entry<2, 13>(), Entry<2, 14>(), Entry<2, 15>()},
+     Entry<2, 12>(), Entry<2, 13>()},
     {Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(),
      Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(),
-     Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>()},
+     Entry<4, 0>(), Entry<4, 0>()},
     {Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(),
      Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(),
-     Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>()}};
+     Entry<8, 0>(), Entry<8, 0>()}};
 
 // The ring kernels want the largest shared-memory carveout (their occupancy is bounded by shared
 // memory); set once, before their first launch.

@@ -34,9 +34,7 @@ struct BulkRingLayout {
 // slot of step j - 1 (after a __syncwarp: every lane has used what it read there) with group
 // j - 1 + kSlots, so kSlots - 1 groups stay in flight without registers. B fragments: the
 // ping-pong pair, as the ring of variants 4..7 (kGroup even, so chunk parity is static).
-// kFullGroups: a group known to hold kGroup chunks (all but possibly the last) runs its chunks
-// without the per-chunk end check.
-template <class Fmt, int G, class Ring, bool kFullGroups = false>
+template <class Fmt, int G, class Ring>
 __device__ __forceinline__ void WarpMainloopBulk(const ExpertGemmParams& p, const uint4* values,
                                                  const typename Fmt::Scale* scales, int c_begin,
                                                  int n, const uint4* const (&b_rows)[G],
@@ -113,9 +111,10 @@ __device__ __forceinline__ void WarpMainloopBulk(const ExpertGemmParams& p, cons
         }
       }
       MbarrierWait(bars_at + 8 * d, parity);
-      // Chunk c of the group in slot d (c, d compile-time: ring offsets and B halves static).
-      auto multiply = [&](int c) {
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
         const int i = j * C + c;
+        if (i >= n) break;
         uint4 v[1];
         Scale s[1];
         v[0] = my_v[(d * Ring::kSlotBytes + c * kChunkBytes) / 16];
@@ -125,16 +124,6 @@ __device__ __forceinline__ void WarpMainloopBulk(const ExpertGemmParams& p, cons
 #pragma unroll
         for (int q = 0; q < G; ++q) LoadBIf(i + 1 < n, b_rows[q], chunk + 1, b[(c + 1) & 1][q]);
         MultiplyChunkLoaded<Fmt, 1, G>(v, s, b[c & 1], acc);
-      };
-      if (kFullGroups && (j + 1) * C <= n) {
-#pragma unroll
-        for (int c = 0; c < C; ++c) multiply(c);
-      } else {
-#pragma unroll
-        for (int c = 0; c < C; ++c) {
-          if (j * C + c >= n) break;
-          multiply(c);
-        }
       }
     }
   }
