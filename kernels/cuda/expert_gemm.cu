@@ -35,8 +35,8 @@ using namespace detail;  // NOLINT: the shared device stages
 // variant 6: as 4 with a deeper ring (fewer CTAs per SM, more chunks in flight per warp);
 // variant 7: RT 4, KS 1 (each warp streams a whole tile; no K-split reduction).
 // Variants 8..11 (G <= 2): the ring filled by bulk copies (WarpMainloopBulk): 8 = RT 4 x KS 1,
-// 9 = RT 2 x KS 2, 10 = RT 1 x KS 4, 11..14 = RT 4 x KS 1 with rings of larger groups
-// (BulkRing); 14 loads the B fragments two chunks ahead instead of one (8 CTAs per SM; token groups 2: 5).
+// 9 = RT 2 x KS 2, 10 = RT 1 x KS 4, 11..13 = RT 4 x KS 1 with rings of larger groups
+// (BulkRing).
 // More tokens (G >= 4, variant 3 there): each warp covers two row tiles so every B fragment
 // feeds two MMAs.
 template <int G, int V>
@@ -53,8 +53,8 @@ struct GemmConfig {
 };
 
 // Ring of the bulk-copy variants (BulkRingLayout: slots x chunks per slot): 8: 4 x 2 chunks,
-// 9 and 10: 6 x 2, 11: 3 x 4 (fewer, larger requests), 12, 13 and 14: 2 x 4 (less shared
-// memory: 10, 12 and 8 CTAs per SM).
+// 9 and 10: 6 x 2, 11: 3 x 4 (fewer, larger requests), 12 and 13: 2 x 4 (less shared memory: 10
+// and 12 CTAs per SM).
 template <int V>
 constexpr int BulkSlots() {
   return V == 8 ? 4 : V == 11 ? 3 : V >= 12 ? 2 : 6;
@@ -86,9 +86,8 @@ constexpr bool Capped() {
 }
 template <class Fmt, int G, int V>
 constexpr int MinCtasPerSm() {
-  if (G != 1) return GemmConfig<G, V>::kBulk ? (V == 14 ? 5 : 7) : 1;
+  if (G != 1) return GemmConfig<G, V>::kBulk ? 7 : 1;
   if (V == 12) return 10;
-  if (V == 14) return 8;
   if (V == 13) return 12;
   return sizeof(typename Fmt::Scale) == 4 ? 8 : 7;
 }
@@ -393,7 +392,7 @@ __device__ __forceinline__ void GemmBody(const ExpertGemmParams& p, int row_bloc
     const int c_begin = static_cast<int>(static_cast<int64_t>(p.chunks) * uks / KS);
     const int c_end = static_cast<int>(static_cast<int64_t>(p.chunks) * (uks + 1) / KS);
     using Ring = BulkRing<Fmt, V>;
-    WarpMainloopBulk<Fmt, G, Ring, (V == 14 ? 2 : 1)>(p, values, scales, c_begin, c_end - c_begin, b_rows,
+    WarpMainloopBulk<Fmt, G, Ring>(p, values, scales, c_begin, c_end - c_begin, b_rows,
                                    wait_after_prefetch, bulk_ring + uwarp * Ring::kWarpBytes,
                                    bulk_bars + uwarp * Ring::kSlots, acc);
   } else if constexpr (Cfg::kSmemRing) {
@@ -469,16 +468,16 @@ constexpr GemmEntry Entry() {
 const GemmEntry kGemmTable[4][kMaxGemmVariant + 1] = {
     {Entry<1, 0>(), Entry<1, 1>(), Entry<1, 2>(), Entry<1, 0>(), Entry<1, 4>(), Entry<1, 5>(),
      Entry<1, 6>(), Entry<1, 7>(), Entry<1, 8>(), Entry<1, 9>(), Entry<1, 10>(), Entry<1, 11>(),
-     Entry<1, 12>(), Entry<1, 13>(), Entry<1, 14>()},
+     Entry<1, 12>(), Entry<1, 13>()},
     {Entry<2, 0>(), Entry<2, 1>(), Entry<2, 2>(), Entry<2, 0>(), Entry<2, 4>(), Entry<2, 5>(),
      Entry<2, 6>(), Entry<2, 7>(), Entry<2, 8>(), Entry<2, 9>(), Entry<2, 10>(), Entry<2, 11>(),
-     Entry<2, 12>(), Entry<2, 13>(), Entry<2, 14>()},
+     Entry<2, 12>(), Entry<2, 13>()},
     {Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(),
      Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(),
-     Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>()},
+     Entry<4, 0>(), Entry<4, 0>()},
     {Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(),
      Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(),
-     Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>()}};
+     Entry<8, 0>(), Entry<8, 0>()}};
 
 // The ring kernels want the largest shared-memory carveout (their occupancy is bounded by shared
 // memory); set once, before their first launch.

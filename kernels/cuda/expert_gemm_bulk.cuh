@@ -34,9 +34,7 @@ struct BulkRingLayout {
 // slot of step j - 1 (after a __syncwarp: every lane has used what it read there) with group
 // j - 1 + kSlots, so kSlots - 1 groups stay in flight without registers. B fragments: the
 // ping-pong pair, as the ring of variants 4..7 (kGroup even, so chunk parity is static).
-// kBAhead: how many chunks ahead the B fragments are loaded (1: a ping-pong pair; 2: four
-// buffers, for groups of a multiple of 4 chunks, so the buffer of each chunk stays static).
-template <class Fmt, int G, class Ring, int kBAhead = 1>
+template <class Fmt, int G, class Ring>
 __device__ __forceinline__ void WarpMainloopBulk(const ExpertGemmParams& p, const uint4* values,
                                                  const typename Fmt::Scale* scales, int c_begin,
                                                  int n, const uint4* const (&b_rows)[G],
@@ -45,8 +43,6 @@ __device__ __forceinline__ void WarpMainloopBulk(const ExpertGemmParams& p, cons
   using Scale = typename Fmt::Scale;
   constexpr int C = Ring::kGroup, D = Ring::kSlots;
   static_assert(C % 2 == 0, "the B ping-pong needs an even group");
-  static_assert(kBAhead == 1 || (kBAhead == 2 && C % 4 == 0), "B buffers must stay static");
-  constexpr int kBBufs = kBAhead == 1 ? 2 : 4;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
   const int groups = (n + C - 1) / C;
@@ -94,16 +90,8 @@ __device__ __forceinline__ void WarpMainloopBulk(const ExpertGemmParams& p, cons
     WaitForPrerequisites();
     AllowDependents();
   }
-  uint4 b[kBBufs][G][2];
-#pragma unroll
-  for (int k = 0; k < kBBufs; ++k)
-#pragma unroll
-    for (int q = 0; q < G; ++q) b[k][q][0] = b[k][q][1] = make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-  for (int k = 0; k < kBAhead; ++k) {
-#pragma unroll
-    for (int q = 0; q < G; ++q) LoadBIf(k < n, b_rows[q], c_begin + k, b[k][q]);
-  }
+  uint4 b[2][G][2];
+  FirstBFragments<G>(n > 0, b_rows, c_begin, b);
   for (int j0 = 0; j0 < groups; j0 += D) {
     const uint32_t parity = static_cast<uint32_t>(j0 / D) & 1u;
 #pragma unroll
@@ -134,10 +122,8 @@ __device__ __forceinline__ void WarpMainloopBulk(const ExpertGemmParams& p, cons
             my_s[(d * Ring::kSlotBytes + c * Ring::kScaleBytes) / static_cast<int>(sizeof(Scale))];
         const int chunk = c_begin + i;
 #pragma unroll
-        for (int q = 0; q < G; ++q) {
-          LoadBIf(i + kBAhead < n, b_rows[q], chunk + kBAhead, b[(c + kBAhead) % kBBufs][q]);
-        }
-        MultiplyChunkLoaded<Fmt, 1, G>(v, s, b[c % kBBufs], acc);
+        for (int q = 0; q < G; ++q) LoadBIf(i + 1 < n, b_rows[q], chunk + 1, b[(c + 1) & 1][q]);
+        MultiplyChunkLoaded<Fmt, 1, G>(v, s, b[c & 1], acc);
       }
     }
   }

@@ -168,7 +168,7 @@ struct ExpertCombineParams {
 // GEMM1 (launched programmatically) start launching at once; GEMM1 waits for its completion.
 cudaError_t LaunchExpertPrologue(const ExpertPrologueParams& p, cudaStream_t stream);
 
-inline constexpr int kMaxGemmVariant = 14;
+inline constexpr int kMaxGemmVariant = 13;
 // ExpertRunner / CUDA backend setting (not a GemmLaunch value): pick the variant per batch from
 // the format and the routes (ExpertRunner::set_gemm_variant; the measured best, NOTES-cuda.md).
 inline constexpr int kAutoGemmVariant = -1;
@@ -198,9 +198,8 @@ struct GemmLaunch {
   // or 4 chunks per warp, an mbarrier per ring slot; GemmUsesBulkCopies): 8 = four row warps, no K
   // split, ring of 8 chunks in groups of 2; 9 = two row warps x 2-way K split, 12 chunks; 10 = one
   // row warp x 4-way K split, 12 chunks; 11 = as 8 with 12 chunks in 3 groups of 4; 12 = as 8 with
-  // 2 groups of 4 (10 CTAs per SM); 13 = as 12 with 12 CTAs per SM (fewer registers); 14 = as 12
-  // with the B fragments loaded two chunks ahead (8 CTAs per SM). token_groups
-  // 18 (wgmma): 0 = 4 warpgroups x 1 m64 block with a shared-memory weight ring (also 3..14), 1 = 2
+  // 2 groups of 4 (10 CTAs per SM); 13 = as 12 with 12 CTAs per SM (fewer registers). token_groups
+  // 18 (wgmma): 0 = 4 warpgroups x 1 m64 block with a shared-memory weight ring (also 3..13), 1 = 2
   // x 2 with the register ring, 2 = 4 x 1 with the register ring. 0 is the measured best
   // (NOTES-cuda.md; wgmma 0 and 2 tie).
   int variant = 0;
