@@ -394,19 +394,40 @@ struct Nvfp4RowOut {
   int groups;       // a multiple of 4: scale words are valid or invalid as a whole
 };
 
+// The thresholds of every block-scale byte a row can produce (sf = E4M3 of a non-negative
+// quotient: 0x00..0x7E, or 0x7F for NaN), for the row's token scale, in shared memory: a group
+// then looks its thresholds up instead of computing them. keep[b] is all ones where the unit
+// sf * x_scale is positive; it is 0 or NaN exactly when the CPU writes code 0 for every element
+// (sf = 0, or an infinite token scale: 0 * inf, or NaN sf from inf / inf); otherwise it is at
+// least 2^-149.
+struct Nvfp4ScaleTable {
+  E2m1Thresholds u[128];
+  uint32_t keep[128];
+};
+
+// Fills `table` for the row's token scale; the whole block calls it (one barrier at the end).
+__device__ __forceinline__ void BuildScaleTable(Nvfp4ScaleTable& table, float x_scale) {
+  for (int b = threadIdx.x; b < 128; b += blockDim.x) {
+    const float unit = __fmul_rn(E4m3Decode(static_cast<uint32_t>(b)), x_scale);
+    table.keep[b] = unit > 0.f ? kFull : 0u;
+    table.u[b] = GroupThresholds(unit);
+  }
+  __syncthreads();
+}
+
 // Encode and store stage for a lane's groups. Called by whole warps.
 __device__ __forceinline__ void QuantizeNvfp4Tile(const Nvfp4RowOut& out, const Nvfp4LaneTile& r,
-                                                  float x_scale, float sf_denominator) {
+                                                  const Nvfp4ScaleTable& table,
+                                                  float sf_denominator) {
   const int lane = threadIdx.x & 31;
   const bool odd = (lane & 1) != 0;
 #pragma unroll
   for (int k = 0; k < kNvfp4LaneGroups; ++k) {
     const uint32_t sf_bits = E4m3x2(__fdiv_rn(r.group_max[k], sf_denominator), 0.f) & 0xFFu;
-    const float unit = __fmul_rn(E4m3Decode(sf_bits), x_scale);
-    // unit is 0 or NaN exactly when the CPU writes code 0 for every element: sf = 0, or an
-    // infinite token scale (0 * inf, or NaN sf from inf / inf); otherwise it is at least 2^-149.
-    const uint32_t keep = unit > 0.f ? kFull : 0u;
-    const E2m1Thresholds u = GroupThresholds(unit);
+    // A set sign bit (-0, -NaN) gives a unit that is not positive: no codes, as before.
+    const uint32_t index = sf_bits & 0x7Fu;
+    const uint32_t keep = sf_bits < 0x80u ? table.keep[index] : 0u;
+    const E2m1Thresholds u = table.u[index];
     const uint32_t own = EncodeE2m1Chunk(r.own[k], u) & keep;
     const uint32_t other = EncodeE2m1Chunk(r.other[k], u) & keep;
     // Scale byte of group g in byte g % 4 of word g / 4: lanes 2p + b with p = 4q .. 4q + 3.
@@ -441,11 +462,13 @@ __global__ void __launch_bounds__(kNvfp4MaxThreads)
   const float x_scale = __fdiv_rn(fmaxf(BlockMax(amax), FLT_MIN), 2688.f);
   if (threadIdx.x == 0) p.token_scale[t] = x_scale;
   const float sf_denominator = __fmul_rn(6.f, x_scale);
+  __shared__ Nvfp4ScaleTable table;
+  BuildScaleTable(table, x_scale);
   const Nvfp4RowOut out = {reinterpret_cast<uint2*>(p.q + t * (chunks * 4)),
                            p.scales + t * (chunks / 8), chunks / 2};
-  QuantizeNvfp4Tile(out, first, x_scale, sf_denominator);
+  QuantizeNvfp4Tile(out, first, table, sf_denominator);
   for (int base = tile_chunks; base < chunks; base += tile_chunks) {
-    QuantizeNvfp4Tile(out, LoadNvfp4Tile(row, base + warp_tile, chunks), x_scale, sf_denominator);
+    QuantizeNvfp4Tile(out, LoadNvfp4Tile(row, base + warp_tile, chunks), table, sf_denominator);
   }
 }
 
