@@ -216,8 +216,6 @@ __device__ __forceinline__ void QuantizeMxfp8Chunk(const StagingParams& p, const
   if ((lane & 15) == 0) p.scales[chunk / 16] = static_cast<int32_t>(word);
 }
 
-// Chunks are numbered over the whole [T, H] input (H / 8 per row, a multiple of 16, so every
-// aligned 16-lane span is one scale word of one row and is valid or invalid as a whole).
 // Programmatic dependent launch (StagingParams::programmatic): wait for the previous kernel's
 // completion and visible writes, then let the next kernel start launching. No-ops when the kernel
 // was launched without the attribute.
@@ -226,6 +224,8 @@ __device__ __forceinline__ void ProgrammaticStart() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+// Chunks are numbered over the whole [T, H] input (H / 8 per row, a multiple of 16, so every
+// aligned 16-lane span is one scale word of one row and is valid or invalid as a whole).
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads)
     StageMxfp8Kernel(const StagingParams p, int remap_blocks) {
