@@ -37,13 +37,7 @@ ABSL_FLAG(std::vector<std::string>, formats, std::vector<std::string>({"mxfp8", 
           "formats to time");
 ABSL_FLAG(int, reps, 50, "graph replays timed at 4096 tokens");
 ABSL_FLAG(bool, small, true, "also time 1, 8 and 64 tokens");
-ABSL_FLAG(int, nvfp4_encode, 0, "StagingParams::nvfp4_encode of every NVFP4 launch (0: default)");
-ABSL_FLAG(int, nvfp4_stages, 0, "StagingParams::nvfp4_stages of every NVFP4 launch (0: default)");
-ABSL_FLAG(int, nvfp4_registers, 0,
-          "StagingParams::nvfp4_registers of every NVFP4 launch (0: default)");
-ABSL_FLAG(bool, sweep, false,
-          "also time MXFP8 blocks of 256, 512 and 1024 threads and the NVFP4 E2M1 searches and "
-          "row pipeline depths at 4096 tokens");
+ABSL_FLAG(bool, sweep, false, "also time MXFP8 blocks of 256, 512 and 1024 threads at 4096 tokens");
 
 namespace moe::bench {
 namespace {
@@ -85,9 +79,6 @@ std::unique_ptr<StagingSet> MakeSet(StagingFormat format, int64_t tokens,
   CUDA_CHECK_OK(cudaMemcpy(s->x.get(), x.data(), x.size() * 2, cudaMemcpyHostToDevice));
   CUDA_CHECK_OK(cudaMemcpy(s->ids.get(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
   StagingParams& p = s->params;
-  p.nvfp4_encode = absl::GetFlag(FLAGS_nvfp4_encode);
-  p.nvfp4_stages = absl::GetFlag(FLAGS_nvfp4_stages);
-  p.nvfp4_registers = absl::GetFlag(FLAGS_nvfp4_registers);
   p.format = format;
   p.x = s->x.as<const uint16_t>();
   p.tokens = static_cast<int32_t>(tokens);
@@ -206,36 +197,6 @@ int Main() {
         set->params.programmatic = true;
       }
     }
-    nlohmann::json encode_sweep = nlohmann::json::object();
-    if (format == StagingFormat::kNvfp4 && absl::GetFlag(FLAGS_sweep)) {
-      // The E2M1 searches (StagingParams::nvfp4_encode) at every row pipeline depth
-      // (nvfp4_stages) and register cap (nvfp4_registers), twice each in alternation.
-      for (int round = 0; round < 2; ++round) {
-        for (int stages : {1, 2, 3}) {
-          for (int registers : {48, 56, 64}) {
-            for (int encode : {1, 2, 3}) {
-              for (auto& set : big) {
-                set->params.nvfp4_encode = encode;
-                set->params.nvfp4_stages = stages;
-                set->params.nvfp4_registers = registers;
-              }
-              const double t = TimeLaunches(big, 1, absl::GetFlag(FLAGS_reps), stream);
-              std::printf("nvfp4 4096 x %lld, stages %d, registers %d, encode %d (round %d): "
-                          "%8.2f us, %.1f%% of copy bandwidth\n",
-                          static_cast<long long>(kHidden), stages, registers, encode, round, t,
-                          100 * bytes / (t * 1e-6) / copy_bw);
-              encode_sweep[absl::StrCat("stages_", stages, "_registers_", registers, "_encode_",
-                                        encode, "_round_", round)] = t;
-            }
-          }
-        }
-      }
-      for (auto& set : big) {
-        set->params.nvfp4_encode = absl::GetFlag(FLAGS_nvfp4_encode);
-        set->params.nvfp4_stages = absl::GetFlag(FLAGS_nvfp4_stages);
-        set->params.nvfp4_registers = absl::GetFlag(FLAGS_nvfp4_registers);
-      }
-    }
     const double rate = bytes / (us * 1e-6);
     std::printf("%s 4096 x %lld + remap + load: %8.2f us, %.1f MB, %.3f TB/s = %.1f%% of copy "
                 "bandwidth (target >= 80%%) %s\n",
@@ -247,7 +208,6 @@ int Main() {
     points.push_back({{"format", name}, {"tokens", 4096}, {"hidden", kHidden},
                       {"median_us_per_launch", us}, {"median_us_per_launch_no_pdl", plain_us},
                       {"mxfp8_block_threads_sweep_us", block_sweep},
-                      {"nvfp4_encode_stages_registers_sweep_us", encode_sweep},
                       {"bytes", bytes},
                       {"TBps", rate / 1e12}, {"fraction_of_copy_bw", rate / copy_bw},
                       {"target_fraction", 0.8}});

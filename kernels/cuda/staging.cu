@@ -13,18 +13,17 @@
 // 128 chunks (64 groups of 16) of the row per tile with four coalesced loads per lane; lanes 2p
 // and 2p+1 then swap half-groups so that each lane holds two whole groups. The row stays in
 // registers between the amax and the encode (one read of the row, one block barrier). E2M1 codes
-// come from three bf16x2 comparisons per element pair against per-group thresholds (binary search
-// over the seven rounding boundaries) instead of a division per element.
+// come from bf16x2 comparisons per element pair against per-group thresholds (the seven rounding
+// boundaries: one masked comparison, then three counted in BF16 arithmetic) instead of a division
+// per element.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cfloat>
 #include <cstdint>
 
-#include "kernels/cuda/bulk_copy.cuh"
 #include "kernels/cuda/staging_kernels.h"
 
 namespace moe::cuda {
@@ -46,17 +45,9 @@ constexpr int kMxfp8ThreadChunks = 2;
 constexpr int kNvfp4LaneGroups = 2;
 constexpr int kNvfp4WarpChunks = 64 * kNvfp4LaneGroups;
 constexpr int kNvfp4MaxThreads = 1024;
-// E2M1 search of the NVFP4 encode when StagingParams::nvfp4_encode is 0 (E2m1Search below).
-constexpr int kNvfp4DefaultSearch = 1;
-// Register cap of the NVFP4 kernels (StagingParams::nvfp4_registers): 48, 56 or 64.
-constexpr int kNvfp4DefaultRegisters = 56;
-// Row pipeline of the NVFP4 kernel (StagingParams::nvfp4_stages): rows of up to
-// kNvfp4StagedMaxHidden elements go through shared-memory stages of persistent blocks, at most
-// kNvfp4StagedBlocksPerSm per SM; 1 = no pipeline (one block per row, loads into registers).
-constexpr int kNvfp4DefaultStages = 1;
-constexpr int kNvfp4MaxStages = 4;
-constexpr int kNvfp4StagedMaxHidden = 16384;
-constexpr int kNvfp4StagedBlocksPerSm = 4;
+// Register cap of the NVFP4 kernel: 56 keeps 5 blocks of 224 threads (H = 7168) per SM without
+// spills; 64 measured 4-5% slower, 48 the same as 56 (NOTES-cuda.md).
+constexpr int kNvfp4Registers = 56;
 // MXFP8 element codes and E4M3 block scales of NVFP4 through the hardware conversion
 // (cvt.rn.satfinite.e4m3x2.f32: round half to even, saturate to +-448 (infinities too),
 // NaN -> 0x7F), which gives the bytes of FloatToE4m3; staging_cuda_test checks it. false: the
@@ -299,26 +290,6 @@ __device__ __forceinline__ E2m1Thresholds GroupThresholds(float unit) {
   return u;
 }
 
-// E2M1 codes of the two BF16 values of `x` (elements j and j + 4 of a chunk), placed at bits
-// 4j..4j+3 of each half and OR-ed into `out`. Binary search: m2 = code >= 4, m1 = code >= 2 or 6,
-// m0 = the last bit; the sign bit only where the code is nonzero (-0 encodes as 0).
-template <int kJ>
-__device__ __forceinline__ uint32_t EncodeE2m1Pair(uint32_t out, uint32_t x,
-                                                   const E2m1Thresholds& u) {
-  constexpr uint32_t kBit = 0x00010001u << (4 * kJ);
-  const uint32_t a = AbsBf16x2Fma(x);
-  const uint32_t m2 = GeMaskBf16x2(a, u.v[3]);
-  const uint32_t odd_high = Select(m2, u.v[6], u.v[2]);
-  const uint32_t odd_low = Select(m2, u.v[4], u.v[0]);
-  const uint32_t m1 = GeMaskBf16x2(a, Select(m2, u.v[5], u.v[1]));
-  const uint32_t m0 = GeMaskBf16x2(a, Select(m1, odd_high, odd_low));
-  const uint32_t negative = LeMaskBf16x2(x, u.negative_v0);
-  uint32_t code = Select(kBit << 2, m2, m1);
-  code = Select(kBit * 6, code, m0);
-  code = Select(kBit * 7, code, negative);
-  return out | (code & kBit * 15);
-}
-
 // Re-pairs a chunk's eight BF16 values as (e0, e4), (e1, e5), (e2, e6), (e3, e7), so that the
 // codes of a pair land in nibbles j and j + 4 of the chunk's packed word.
 struct ChunkPairs {
@@ -329,13 +300,6 @@ __device__ __forceinline__ ChunkPairs RePair(const uint4& c) {
   return {{__byte_perm(c.x, c.z, 0x5410), __byte_perm(c.x, c.z, 0x7632),
            __byte_perm(c.y, c.w, 0x5410), __byte_perm(c.y, c.w, 0x7632)}};
 }
-
-// How a chunk's E2M1 codes are searched (StagingParams::nvfp4_encode; same codes every way).
-enum class E2m1Search : int {
-  kBinary = 1,  // three masked comparisons per pair, thresholds picked by LOP3 selects
-  kSplit = 2,   // code >= 4 by a mask, then the three thresholds of that half counted in BF16
-  kCount = 3,   // all seven thresholds counted in BF16 (no selects)
-};
 
 // 1.0 in each half where a >= b (a <= b), else 0.0; NaN compares false.
 __device__ __forceinline__ uint32_t GeOneBf16x2(uint32_t a, uint32_t b) {
@@ -356,25 +320,21 @@ __device__ __forceinline__ uint32_t FmaBf16x2(uint32_t a, uint32_t b, uint32_t c
   return d;
 }
 
-// Counting in BF16 (kSplit, kCount): a tally starts at 128.0, whose ulp is 1, and adds the 1.0 /
-// 0.0 comparison results times 1 (pair 2h), 8 (pair 2h's sign) or 16 (pair 2h + 1). Every partial
-// sum is an integer below 256, so exact, and bits 0..6 of each half then hold pair 2h's code in
-// bits 0..3 and pair 2h + 1's magnitude code in bits 4..6: the FMA pipe does what LOP3 selects do
-// in kBinary, and the ALU pipe (half rate) limits this kernel.
-constexpr uint32_t kTallyBase = 0x43004300u;  // 128.0 in both halves
-constexpr uint32_t kTallyOne = 0x3F803F80u;   // 1.0
-constexpr uint32_t kTallyEight = 0x41004100u;  // 8.0
+// The E2M1 code of |x| is the number of thresholds v[k] it reaches (kE2m1Bounds, in order). Per
+// element pair: m2 = code >= 4 (one masked comparison), then the three thresholds of m2's half,
+// picked by LOP3 selects, are counted in BF16 arithmetic. A tally starts at 128.0, whose ulp is
+// 1, and adds the 1.0 / 0.0 comparison results times 1 (pair 2h), 8 (pair 2h's sign) or 16 (pair
+// 2h + 1): every partial sum is an integer below 256, so exact, and the low bits of each half
+// then hold the codes. The FMA pipe thus does part of what LOP3 selects did in a pure binary
+// search (three masked comparisons per pair), which was ~1.8% slower on the H200, as was
+// counting all seven thresholds (more instructions and registers).
+constexpr uint32_t kTallyBase = 0x43004300u;     // 128.0 in both halves
+constexpr uint32_t kTallyOne = 0x3F803F80u;      // 1.0
+constexpr uint32_t kTallyEight = 0x41004100u;    // 8.0
 constexpr uint32_t kTallySixteen = 0x41804180u;  // 16.0
 
-__device__ __forceinline__ uint32_t TallyAll(uint32_t s, uint32_t a, const E2m1Thresholds& u,
-                                             uint32_t weight) {
-#pragma unroll
-  for (int k = 0; k < 7; ++k) s = FmaBf16x2(GeOneBf16x2(a, u.v[k]), weight, s);
-  return s;
-}
-
-// kSplit for one pair: m2 = code >= 4 as a mask; the tally gains the count of the three
-// thresholds of m2's half (code & 3) times `weight`.
+// One pair: the tally gains the count of the three thresholds of m2's half (code & 3) times
+// `weight`.
 __device__ __forceinline__ uint32_t TallyHalf(uint32_t s, uint32_t a, uint32_t m2,
                                               const E2m1Thresholds& u, uint32_t weight) {
 #pragma unroll
@@ -384,46 +344,25 @@ __device__ __forceinline__ uint32_t TallyHalf(uint32_t s, uint32_t a, uint32_t m
   return s;
 }
 
-// Packed E2M1 codes of one chunk (element j in nibble j).
-template <E2m1Search kSearch>
+// Packed E2M1 codes of one chunk (element j in nibble j); the sign bit only where the code is
+// nonzero (-0 encodes as 0).
 __device__ __forceinline__ uint32_t EncodeE2m1Chunk(const ChunkPairs& c, const E2m1Thresholds& u) {
-  if constexpr (kSearch == E2m1Search::kBinary) {
-    uint32_t out = 0;
-    out = EncodeE2m1Pair<0>(out, c.w[0], u);
-    out = EncodeE2m1Pair<1>(out, c.w[1], u);
-    out = EncodeE2m1Pair<2>(out, c.w[2], u);
-    return EncodeE2m1Pair<3>(out, c.w[3], u);
-  } else if constexpr (kSearch == E2m1Search::kCount) {
-    uint32_t tally[2], sign_odd[2];
+  uint32_t tally[2], bits = 0;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t x0 = c.w[2 * h], x1 = c.w[2 * h + 1];
-      uint32_t s = TallyAll(kTallyBase, AbsBf16x2Fma(x0), u, kTallyOne);
-      s = FmaBf16x2(LeOneBf16x2(x0, u.negative_v0), kTallyEight, s);
-      tally[h] = TallyAll(s, AbsBf16x2Fma(x1), u, kTallySixteen);
-      sign_odd[h] = LeMaskBf16x2(x1, u.negative_v0);
-    }
-    return (tally[0] & 0x007F007Fu) | (tally[1] & 0x007F007Fu) << 8 |
-           (sign_odd[0] & 0x00800080u) | (sign_odd[1] & 0x80008000u);
-  } else {
-    static_assert(kSearch == E2m1Search::kSplit);
-    uint32_t tally[2], bits = 0;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t x0 = c.w[2 * h], x1 = c.w[2 * h + 1];
-      const uint32_t a0 = AbsBf16x2Fma(x0), a1 = AbsBf16x2Fma(x1);
-      const uint32_t m2_0 = GeMaskBf16x2(a0, u.v[3]), m2_1 = GeMaskBf16x2(a1, u.v[3]);
-      uint32_t s = TallyHalf(kTallyBase, a0, m2_0, u, kTallyOne);
-      s = FmaBf16x2(LeOneBf16x2(x0, u.negative_v0), kTallyEight, s);
-      tally[h] = TallyHalf(s, a1, m2_1, u, kTallySixteen);
-      // code >= 4 of both pairs, the odd pair's sign.
-      const int at = 8 * h;
-      bits |= (m2_0 & (0x00040004u << at)) | (m2_1 & (0x00400040u << at)) |
-              (LeMaskBf16x2(x1, u.negative_v0) & (0x00800080u << at));
-    }
-    // Tally bits: pair 2h's code & 3 and sign (bits 0, 1, 3), pair 2h + 1's code & 3 (4, 5).
-    return (tally[0] & 0x003B003Bu) | (tally[1] & 0x003B003Bu) << 8 | bits;
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t x0 = c.w[2 * h], x1 = c.w[2 * h + 1];
+    const uint32_t a0 = AbsBf16x2Fma(x0), a1 = AbsBf16x2Fma(x1);
+    const uint32_t m2_0 = GeMaskBf16x2(a0, u.v[3]), m2_1 = GeMaskBf16x2(a1, u.v[3]);
+    uint32_t s = TallyHalf(kTallyBase, a0, m2_0, u, kTallyOne);
+    s = FmaBf16x2(LeOneBf16x2(x0, u.negative_v0), kTallyEight, s);
+    tally[h] = TallyHalf(s, a1, m2_1, u, kTallySixteen);
+    // code >= 4 of both pairs, the odd pair's sign.
+    const int at = 8 * h;
+    bits |= (m2_0 & (0x00040004u << at)) | (m2_1 & (0x00400040u << at)) |
+            (LeMaskBf16x2(x1, u.negative_v0) & (0x00800080u << at));
   }
+  // Tally bits: pair 2h's code & 3 and sign (bits 0, 1, 3), pair 2h + 1's code & 3 (4, 5).
+  return (tally[0] & 0x003B003Bu) | (tally[1] & 0x003B003Bu) << 8 | bits;
 }
 
 // What a lane holds of one warp tile: kNvfp4LaneGroups groups, each as this lane's chunk and its
@@ -516,7 +455,6 @@ __device__ __forceinline__ void BuildScaleTable(Nvfp4ScaleTable& table, float x_
 }
 
 // Encode and store stage for a lane's groups. Called by whole warps.
-template <E2m1Search kSearch>
 __device__ __forceinline__ void QuantizeNvfp4Tile(const Nvfp4RowOut& out, const Nvfp4LaneTile& r,
                                                   const Nvfp4ScaleTable& table,
                                                   float sf_denominator) {
@@ -529,8 +467,8 @@ __device__ __forceinline__ void QuantizeNvfp4Tile(const Nvfp4RowOut& out, const 
     const uint32_t index = sf_bits & 0x7Fu;
     const uint32_t keep = sf_bits < 0x80u ? table.keep[index] : 0u;
     const E2m1Thresholds u = table.u[index];
-    const uint32_t own = EncodeE2m1Chunk<kSearch>(r.own[k], u) & keep;
-    const uint32_t other = EncodeE2m1Chunk<kSearch>(r.other[k], u) & keep;
+    const uint32_t own = EncodeE2m1Chunk(r.own[k], u) & keep;
+    const uint32_t other = EncodeE2m1Chunk(r.other[k], u) & keep;
     // Scale byte of group g in byte g % 4 of word g / 4: lanes 2p + b with p = 4q .. 4q + 3.
     uint32_t word = sf_bits << (8 * ((lane >> 1) & 3));
     word |= __shfl_xor_sync(kFull, word, 2);
@@ -543,8 +481,7 @@ __device__ __forceinline__ void QuantizeNvfp4Tile(const Nvfp4RowOut& out, const 
 }
 
 // Block size: one warp per kNvfp4WarpChunks chunks of the row, at most kNvfp4MaxThreads.
-template <E2m1Search kSearch, int kRegisters>
-__global__ void __maxnreg__(kRegisters)
+__global__ void __maxnreg__(kNvfp4Registers)
     StageNvfp4Kernel(const StagingParams p, int remap_blocks) {
   ProgrammaticStart();
   if (static_cast<int>(blockIdx.x) < remap_blocks) {
@@ -568,150 +505,13 @@ __global__ void __maxnreg__(kRegisters)
   BuildScaleTable(table, x_scale);
   const Nvfp4RowOut out = {reinterpret_cast<uint2*>(p.q + t * (chunks * 4)),
                            p.scales + t * (chunks / 8), chunks / 2};
-  QuantizeNvfp4Tile<kSearch>(out, first, table, sf_denominator);
+  QuantizeNvfp4Tile(out, first, table, sf_denominator);
   for (int base = tile_chunks; base < chunks; base += tile_chunks) {
-    QuantizeNvfp4Tile<kSearch>(out, LoadNvfp4Tile(row, base + warp_tile, chunks), table, sf_denominator);
+    QuantizeNvfp4Tile(out, LoadNvfp4Tile(row, base + warp_tile, chunks), table, sf_denominator);
   }
 }
 
 }  // namespace
-
-// ---- NVFP4 with a row pipeline (StagingParams::nvfp4_stages >= 2).
-//
-// Persistent blocks: block b of P takes rows b, b + P, ...; thread 0 keeps `stages` rows in
-// flight, each one bulk copy into its shared-memory stage completed on the stage's mbarrier, so
-// the DRAM stream never waits for a block's arithmetic. A lane holds whole groups (two chunks
-// read from shared memory: no half-group exchange): lane i of warp w has groups 64w + 32k + i.
-// After the block's amax barrier every thread has read its part of the stage, and thread 0
-// refills it with the row `stages` rows ahead.
-
-// What a lane holds of a staged row: kNvfp4LaneGroups groups, each as its two chunks.
-struct Nvfp4LaneGroups {
-  ChunkPairs chunk[kNvfp4LaneGroups][2];
-  float group_max[kNvfp4LaneGroups];  // NaN-free
-};
-
-__device__ __forceinline__ Nvfp4LaneGroups LoadNvfp4Groups(const uint4* stage, int groups) {
-  const int lane = threadIdx.x & 31;
-  const int first = static_cast<int>(threadIdx.x / 32) * 32 * kNvfp4LaneGroups + lane;
-  Nvfp4LaneGroups r;
-#pragma unroll
-  for (int k = 0; k < kNvfp4LaneGroups; ++k) {
-    const int g = first + 32 * k;
-    const uint4 a = g < groups ? stage[2 * g] : make_uint4(0, 0, 0, 0);
-    const uint4 b = g < groups ? stage[2 * g + 1] : make_uint4(0, 0, 0, 0);
-    r.chunk[k][0] = RePair(a);
-    r.chunk[k][1] = RePair(b);
-    // An all-NaN group gives NaN here; the CPU's amax is then 0.
-    r.group_max[k] = fmaxf(LargerHalf(MaxBf16x2(ChunkAbsMax(a), ChunkAbsMax(b))), 0.f);
-  }
-  return r;
-}
-
-// Encode and store stage for a lane's groups (layout of LoadNvfp4Groups). Called by whole warps.
-template <E2m1Search kSearch>
-__device__ __forceinline__ void QuantizeNvfp4Groups(const Nvfp4RowOut& out,
-                                                    const Nvfp4LaneGroups& r,
-                                                    const Nvfp4ScaleTable& table,
-                                                    float sf_denominator) {
-  const int lane = threadIdx.x & 31;
-  const int first = static_cast<int>(threadIdx.x / 32) * 32 * kNvfp4LaneGroups + lane;
-#pragma unroll
-  for (int k = 0; k < kNvfp4LaneGroups; ++k) {
-    const uint32_t sf_bits = E4m3x2(__fdiv_rn(r.group_max[k], sf_denominator), 0.f) & 0xFFu;
-    const uint32_t index = sf_bits & 0x7Fu;
-    const uint32_t keep = sf_bits < 0x80u ? table.keep[index] : 0u;
-    const E2m1Thresholds u = table.u[index];
-    const uint32_t lo = EncodeE2m1Chunk<kSearch>(r.chunk[k][0], u) & keep;
-    const uint32_t hi = EncodeE2m1Chunk<kSearch>(r.chunk[k][1], u) & keep;
-    // Scale byte of group g in byte g % 4 of word g / 4: lanes 4q .. 4q + 3.
-    uint32_t word = sf_bits << (8 * (lane & 3));
-    word |= __shfl_xor_sync(kFull, word, 1);
-    word |= __shfl_xor_sync(kFull, word, 2);
-    const int g = first + 32 * k;
-    if (g >= out.groups) continue;
-    out.q[g] = make_uint2(lo, hi);
-    if ((lane & 3) == 0) out.scales[g / 4] = static_cast<int32_t>(word);
-  }
-}
-
-// Shared memory of one stage: a row, rounded up to 128 bytes.
-__host__ __device__ constexpr int Nvfp4StageBytes(int hidden) { return (hidden * 2 + 127) / 128 * 128; }
-
-template <E2m1Search kSearch, int kRegisters>
-__global__ void __maxnreg__(kRegisters)
-    StageNvfp4StagedKernel(const StagingParams p, int remap_blocks, int stages) {
-  ProgrammaticStart();
-  if (static_cast<int>(blockIdx.x) < remap_blocks) {
-    RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
-    return;
-  }
-  extern __shared__ __align__(128) unsigned char stage_memory[];
-  __shared__ __align__(8) uint64_t full[kNvfp4MaxStages];
-  __shared__ Nvfp4ScaleTable table;
-  const int64_t first_row = blockIdx.x - remap_blocks;
-  const int64_t row_stride = gridDim.x - remap_blocks;
-  const int chunks = p.hidden_size / 8;
-  const uint32_t row_bytes = static_cast<uint32_t>(p.hidden_size) * 2;
-  const int stage_bytes = Nvfp4StageBytes(p.hidden_size);
-  const uint32_t stages_at = static_cast<uint32_t>(__cvta_generic_to_shared(stage_memory));
-  const uint32_t full_at = static_cast<uint32_t>(__cvta_generic_to_shared(full));
-  const uint64_t policy = detail::L2Policy(true);  // every input byte is read once
-  const uint16_t* x = p.x;
-  // Thread 0: row j of this block into stage j % stages.
-  auto fetch = [&](int64_t j) {
-    const int64_t t = first_row + j * row_stride;
-    if (t >= p.tokens) return;
-    const int s = static_cast<int>(j % stages);
-    detail::MbarrierArriveExpectTx(full_at + 8 * s, row_bytes);
-    detail::BulkCopyToShared(stages_at + s * stage_bytes, x + t * p.hidden_size, row_bytes,
-                             full_at + 8 * s, policy);
-  };
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) detail::MbarrierInit(full_at + 8 * s, 1);
-    detail::FenceMbarrierInit();
-    for (int s = 0; s < stages; ++s) fetch(s);
-  }
-  __syncthreads();  // the barriers are initialized before anyone waits on them
-  for (int64_t j = 0;; ++j) {
-    const int64_t t = first_row + j * row_stride;
-    if (t >= p.tokens) break;
-    const int s = static_cast<int>(j % stages);
-    detail::MbarrierWait(full_at + 8 * s, static_cast<uint32_t>(j / stages) & 1u);
-    const Nvfp4LaneGroups r = LoadNvfp4Groups(
-        reinterpret_cast<const uint4*>(stage_memory + s * stage_bytes), chunks / 2);
-    float amax = r.group_max[0];
-#pragma unroll
-    for (int k = 1; k < kNvfp4LaneGroups; ++k) amax = fmaxf(amax, r.group_max[k]);
-    // After BlockMax's barrier every thread has read stage s: refill it.
-    amax = BlockMax(amax);
-    if (threadIdx.x == 0) fetch(j + stages);
-    const float x_scale = __fdiv_rn(fmaxf(amax, FLT_MIN), 2688.f);
-    if (threadIdx.x == 0) p.token_scale[t] = x_scale;
-    const float sf_denominator = __fmul_rn(6.f, x_scale);
-    // The barrier inside also keeps the next row's BlockMax from overwriting its partials
-    // before every thread has read them.
-    BuildScaleTable(table, x_scale);
-    const Nvfp4RowOut out = {reinterpret_cast<uint2*>(p.q + t * (chunks * 4)),
-                             p.scales + t * (chunks / 8), chunks / 2};
-    QuantizeNvfp4Groups<kSearch>(out, r, table, sf_denominator);
-  }
-}
-
-// SMs of the current device (cached per device).
-int SmCount() {
-  static std::atomic<int> cached[64] = {};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 132;
-  int n = cached[device].load(std::memory_order_relaxed);
-  if (n == 0) {
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) {
-      n = 132;
-    }
-    cached[device].store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
 
 cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   const bool nvfp4 = p.format == StagingFormat::kNvfp4;
@@ -723,18 +523,10 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   if (mx_threads != 256 && mx_threads != 512 && mx_threads != 1024) return cudaErrorInvalidValue;
   int threads = mx_threads;
   int64_t quant_blocks = 0;
-  const int stages = p.nvfp4_stages != 0 ? p.nvfp4_stages : kNvfp4DefaultStages;
-  if (nvfp4 && (stages < 1 || stages > kNvfp4MaxStages)) return cudaErrorInvalidValue;
-  const bool staged = nvfp4 && stages >= 2 && p.hidden_size <= kNvfp4StagedMaxHidden;
-  size_t shared_bytes = 0;
   if (nvfp4) {
     const int warps = (p.hidden_size / 8 + kNvfp4WarpChunks - 1) / kNvfp4WarpChunks;
     threads = 32 * std::min(std::max(warps, 1), kNvfp4MaxThreads / 32);
     if (quantize) quant_blocks = p.tokens;
-    if (quantize && staged) {
-      quant_blocks = std::min<int64_t>(p.tokens, int64_t{SmCount()} * kNvfp4StagedBlocksPerSm);
-      shared_bytes = static_cast<size_t>(stages) * Nvfp4StageBytes(p.hidden_size);
-    }
   } else if (quantize) {
     const int64_t per_block = static_cast<int64_t>(mx_threads) * kMxfp8ThreadChunks;
     quant_blocks = (mx_chunks + per_block - 1) / per_block;
@@ -752,43 +544,7 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   config.attrs = attr;
   // 1024-thread MXFP8 blocks measured faster without it (a waiting block holds half an SM).
   config.numAttrs = p.programmatic && (nvfp4 || mx_threads != 1024) ? 1 : 0;
-  const int search = p.nvfp4_encode != 0 ? p.nvfp4_encode : kNvfp4DefaultSearch;
-  if (nvfp4 && (search < 1 || search > 3)) return cudaErrorInvalidValue;
-  const int registers = p.nvfp4_registers != 0 ? p.nvfp4_registers : kNvfp4DefaultRegisters;
-  if (nvfp4 && registers != 48 && registers != 56 && registers != 64) return cudaErrorInvalidValue;
-  if (staged) {
-    using Staged = void (*)(StagingParams, int, int);
-    const Staged kernels[3][3] = {
-        {StageNvfp4StagedKernel<E2m1Search::kBinary, 48>,
-         StageNvfp4StagedKernel<E2m1Search::kBinary, 56>,
-         StageNvfp4StagedKernel<E2m1Search::kBinary, 64>},
-        {StageNvfp4StagedKernel<E2m1Search::kSplit, 48>,
-         StageNvfp4StagedKernel<E2m1Search::kSplit, 56>,
-         StageNvfp4StagedKernel<E2m1Search::kSplit, 64>},
-        {StageNvfp4StagedKernel<E2m1Search::kCount, 48>,
-         StageNvfp4StagedKernel<E2m1Search::kCount, 56>,
-         StageNvfp4StagedKernel<E2m1Search::kCount, 64>}};
-    const Staged kernel = kernels[search - 1][(registers - 48) / 8];
-    if (shared_bytes > 48 * 1024) {
-      if (cudaError_t e = cudaFuncSetAttribute(
-              kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes));
-          e != cudaSuccess) {
-        return e;
-      }
-    }
-    config.dynamicSmemBytes = shared_bytes;
-    return cudaLaunchKernelEx(&config, kernel, p, remap_blocks, stages);
-  }
-  using Unstaged = void (*)(StagingParams, int);
-  const Unstaged nvfp4_kernels[3][3] = {
-      {StageNvfp4Kernel<E2m1Search::kBinary, 48>, StageNvfp4Kernel<E2m1Search::kBinary, 56>,
-       StageNvfp4Kernel<E2m1Search::kBinary, 64>},
-      {StageNvfp4Kernel<E2m1Search::kSplit, 48>, StageNvfp4Kernel<E2m1Search::kSplit, 56>,
-       StageNvfp4Kernel<E2m1Search::kSplit, 64>},
-      {StageNvfp4Kernel<E2m1Search::kCount, 48>, StageNvfp4Kernel<E2m1Search::kCount, 56>,
-       StageNvfp4Kernel<E2m1Search::kCount, 64>}};
-  const Unstaged nvfp4_kernel = nvfp4 ? nvfp4_kernels[search - 1][(registers - 48) / 8] : nullptr;
-  void (*kernel)(StagingParams, int) = nvfp4                ? nvfp4_kernel
+  void (*kernel)(StagingParams, int) = nvfp4                ? StageNvfp4Kernel
                                        : mx_threads == 1024 ? StageMxfp8Kernel<1024>
                                        : mx_threads == 512  ? StageMxfp8Kernel<512>
                                                             : StageMxfp8Kernel<256>;

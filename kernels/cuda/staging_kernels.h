@@ -60,17 +60,6 @@ struct StagingParams {
   // Tuning: threads per MXFP8 quantization block, 256, 512 or 1024; 0: the measured best (1024
   // from 2^19 chunks of 8 elements, 256 below).
   int32_t mxfp8_block_threads = 0;
-  // Tuning: how the NVFP4 encode finds each E2M1 code (the codes are the same): 1 = binary search
-  // with masked comparisons and selects, 2 = first step masked, then the three thresholds of
-  // that half counted in BF16 arithmetic, 3 = all seven thresholds counted; 0: the measured best.
-  int32_t nvfp4_encode = 0;
-  // Tuning: NVFP4 rows in flight per persistent block, 2-4, each in its own shared-memory stage
-  // (rows of up to 16384 elements; longer rows always use 1); 1 = no pipeline: one block per
-  // row, loaded into registers; 0: the measured best.
-  int32_t nvfp4_stages = 0;
-  // Tuning: register cap of the NVFP4 kernels, 48, 56 or 64 (fewer: more blocks per SM, maybe
-  // spills); 0: the measured best.
-  int32_t nvfp4_registers = 0;
 };
 
 // Enqueues the fused staging kernel (one launch). REQUIRES: the Params are consistent (see

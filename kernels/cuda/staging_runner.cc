@@ -86,19 +86,6 @@ absl::Status EnqueueStaging(const StagingParams& p, cudaStream_t stream) {
                                                    p.mxfp8_block_threads,
                                                    " is not 0, 256, 512 or 1024"));
   }
-  if (p.nvfp4_encode < 0 || p.nvfp4_encode > 3) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("staging: nvfp4_encode ", p.nvfp4_encode, " is not 0, 1, 2 or 3"));
-  }
-  if (p.nvfp4_stages < 0 || p.nvfp4_stages > 4) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("staging: nvfp4_stages ", p.nvfp4_stages, " is not in [0, 4]"));
-  }
-  if (p.nvfp4_registers != 0 && p.nvfp4_registers != 48 && p.nvfp4_registers != 56 &&
-      p.nvfp4_registers != 64) {
-    return absl::InvalidArgumentError(absl::StrCat("staging: nvfp4_registers ",
-                                                   p.nvfp4_registers, " is not 0, 48, 56 or 64"));
-  }
   if (absl::Status s = CheckQuantization(p); !s.ok()) return s;
   if (absl::Status s = CheckRemap(p); !s.ok()) return s;
   return CudaStatus(LaunchStaging(p, stream), "staging kernel launch");
