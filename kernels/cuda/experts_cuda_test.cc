@@ -332,7 +332,7 @@ INSTANTIATE_TEST_SUITE_P(
         LayerCase{"mxfp4_situ_interleaved", kMx, Act(ActivationKind::kSitu, 2.f, 0.f), kIl, 1024,
                   512, 64, 6, false, 1, DType::kF32, DType::kF32, kTokens},
         LayerCase{"mxfp4_silu_large_T", kMx, Act(ActivationKind::kSilu), kIl, 256, 128, 64, 4,
-                  true, 0, DType::kBF16, DType::kBF16, {4096}},
+                  true, 0, DType::kBF16, DType::kBF16, {4096, 8192}},
         // Problem C's routing at 64 tokens (E=128, top-8): a few slots over 8 tokens, so the
         // plan takes 8-token items and splits those slots (PlanRoutes).
         LayerCase{"mxfp4_silu_c_routing", kMx, Act(ActivationKind::kSilu), kCat, 256, 128, 128,
@@ -340,7 +340,7 @@ INSTANTIATE_TEST_SUITE_P(
         // Large T on padded shapes (H, I not multiples of 64) for the wgmma kernel; H = I = 2880
         // with 144-token items and remainders: the two 2880 cases above at T = 333 (v4, v5).
         LayerCase{"nvfp4_situ_large_T_pad", kNv, Act(ActivationKind::kSitu, 1.5f, 2.f), kIl, 336,
-                  208, 24, 3, true, 1, DType::kF32, DType::kBF16, {4096}},
+                  208, 24, 3, true, 1, DType::kF32, DType::kBF16, {4096, 8192}},
         LayerCase{"mxfp4_gelu_large_T_pad", kMx, Act(ActivationKind::kGelu), kCat, 288, 160, 16,
                   2, true, 0, DType::kBF16, DType::kF32, {4096}}),
     [](const ::testing::TestParamInfo<LayerCase>& info) { return info.param.name; });
