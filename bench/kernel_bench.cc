@@ -360,9 +360,6 @@ int Main() {
                    {"variant10_l2_next", 10, true, true, cuda::kL2PrefetchNext},
                    {"variant10_l2_own_next", 10, true, true,
                     cuda::kL2PrefetchOwn | cuda::kL2PrefetchNext},
-                   {"variant6_l2_late", 6, true, true, cuda::kL2PrefetchNextLate},
-                   {"variant10_l2_late", 10, true, true, cuda::kL2PrefetchNextLate},
-                   {"variant12_l2_late", 12, true, true, cuda::kL2PrefetchNextLate},
                    {"auto_no_pdl", cuda::kAutoGemmVariant, false, true}};
       const std::string wanted = absl::GetFlag(FLAGS_extras);
       const std::vector<std::string> wanted_names = absl::StrSplit(wanted, ',', absl::SkipEmpty());

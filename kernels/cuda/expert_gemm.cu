@@ -365,10 +365,10 @@ __device__ __forceinline__ void GemmBody(const ExpertGemmParams& p, int row_bloc
   ZeroAccumulators<RW, G>(acc);
 
   const bool wait_after_prefetch = !kGemm1 || direct;
-  // This warp's share of the same expert slot's GEMM2 weights, into L2 while GEMM1 runs (lane 0;
-  // at the warp's start with kL2PrefetchNext, after its main loop with kL2PrefetchNextLate).
-  auto prefetch_next = [&](int bit) {
-    if (kGemm1 && (p.l2_prefetch & bit) != 0 && p.next_values != nullptr && lane == 0) {
+  if constexpr (Cfg::kBulk) {
+    static_assert(RW == 1, "the bulk main loop streams one tile per warp");
+    if (kGemm1 && (p.l2_prefetch & kL2PrefetchNext) != 0 && p.next_values != nullptr && lane == 0) {
+      // This warp's share of the same expert slot's GEMM2 weights, into L2 while GEMM1 runs.
       const int parts = row_blocks * RT * KS, part = row_block * RT * KS + warp;
       PrefetchShareL2(static_cast<const unsigned char*>(p.next_values) +
                           item.expert * p.next_values_stride_bytes,
@@ -377,10 +377,6 @@ __device__ __forceinline__ void GemmBody(const ExpertGemmParams& p, int row_bloc
                           item.expert * p.next_scales_stride_bytes,
                       p.next_scales_bytes, part, parts);
     }
-  };
-  if constexpr (Cfg::kBulk) {
-    static_assert(RW == 1, "the bulk main loop streams one tile per warp");
-    prefetch_next(kL2PrefetchNext);
     // Warp-uniform copies of the warp index and the expert slot (broadcast from lane 0), so the
     // compiler keeps the copy addresses in uniform registers.
     const int uwarp = __shfl_sync(0xffffffffu, warp, 0);
@@ -409,7 +405,6 @@ __device__ __forceinline__ void GemmBody(const ExpertGemmParams& p, int row_bloc
   } else {
     WarpMainloop<Fmt, G, V>(stream, p.chunks, ks, b_rows, wait_after_prefetch, acc);
   }
-  prefetch_next(kL2PrefetchNextLate);
   ReduceAcrossWarps<G, V>(red, ks, wr, lane, acc);
   if (ks != 0) return;
   if constexpr (kGemm1) {

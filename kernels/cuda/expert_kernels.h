@@ -136,11 +136,8 @@ struct ExpertGemmParams {
   // kL2PrefetchOwn: each warp asks L2 for its whole weight range at its start
   // (cp.async.bulk.prefetch.L2); kL2PrefetchNext (GEMM1 only): each warp also asks for its share
   // of next_* of the same expert slot (GEMM2's weights, while GEMM1 runs); kL2PrefetchAhead: each
-  // warp asks for the group one ring length beyond its ring at every refill. Any variant of the
-  // streaming kernel (ring or not): kL2PrefetchNextLate (GEMM1 only): each warp asks for the same
-  // share of next_* as kL2PrefetchNext, but after its own weights are in (so the request overlaps
-  // the CTAs still streaming, e.g. GEMM1's second wave at one token). Hints only: results do not
-  // depend on them.
+  // warp asks for the group one ring length beyond its ring at every refill. Hints only: results
+  // do not depend on them.
   bool weights_evict_first = false;
   int32_t l2_prefetch = 0;
   const void* next_values = nullptr;     // GEMM2's packed values, or null
@@ -153,7 +150,6 @@ struct ExpertGemmParams {
 inline constexpr int kL2PrefetchOwn = 1;
 inline constexpr int kL2PrefetchNext = 2;
 inline constexpr int kL2PrefetchAhead = 4;
-inline constexpr int kL2PrefetchNextLate = 8;
 
 struct ExpertCombineParams {
   const float* y = nullptr;              // [T*K + S*T, H]

@@ -365,16 +365,14 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   g1.weights_evict_first =
       evict_first_ && variant >= 4 &&
       (plan.token_groups <= 2 || variant <= 7 || tiled_evict_first_);
-  if (plan.token_groups <= 2 && !wgmma) {
+  if (GemmUsesBulkCopies(plan.token_groups, variant)) {
     const DeviceGemmWeights& w2 = layer.w2;
     const int64_t scale_bytes = layer.format == Fp4Format::kMxfp4 ? 4 : 16;
     // Auto: none. Every prefetch measured slower (T=1: GEMM2's weights into L2 during GEMM1
-    // +3.7 us; 8 tokens +17-28 us; one ring ahead +0.5-14% at 8-64 tokens). Only the late hint
-    // applies to the kernels without bulk copies.
-    int bits = l2_prefetch_ == kAutoL2Prefetch ? 0 : l2_prefetch_;
-    if (!GemmUsesBulkCopies(plan.token_groups, variant)) bits &= kL2PrefetchNextLate;
+    // +3.7 us; 8 tokens +17-28 us; one ring ahead +0.5-14% at 8-64 tokens).
+    const int bits = l2_prefetch_ == kAutoL2Prefetch ? 0 : l2_prefetch_;
     g1.l2_prefetch = bits;
-    if ((bits & (kL2PrefetchNext | kL2PrefetchNextLate)) != 0) {
+    if ((bits & kL2PrefetchNext) != 0) {
       g1.next_values = w2.values.get();
       g1.next_scales = w2.scales.get();
       g1.next_values_stride_bytes = w2.values_stride * 16;
@@ -412,7 +410,7 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   }
   g2.b_rows = act_.as<uint16_t>();
   g2.weights_evict_first = g1.weights_evict_first;
-  g2.l2_prefetch = g1.l2_prefetch & ~(kL2PrefetchNext | kL2PrefetchNextLate);
+  g2.l2_prefetch = g1.l2_prefetch & ~kL2PrefetchNext;
   g2.bias_a = layer.bias_w2.as<float>();
   g2.out_valid = static_cast<int32_t>(layer.hidden);
   g2.out_cols = static_cast<int32_t>(layer.hidden);

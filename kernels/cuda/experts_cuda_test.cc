@@ -30,8 +30,7 @@ namespace {
 // routes, e.g. T=1; variants 0, 1, 4, 6 and 8..13 then fold the combine into GEMM2, 2, 5 and 7 do
 // not) and the wgmma kernel off; variants 0, 4 and 12 with the grouped path always, 12 also with
 // the combine folded into GEMM2 for grouped routes ("f"); variant 10 with every L2 prefetch hint on
-// (bits 7, "p"); variant 6 with the late prefetch of GEMM2's weights (bit 8, "p"); the wgmma
-// kernel for every batch (wgmma_min_tokens 1, items of up to 144 tokens)
+// (bits 7, "p"); the wgmma kernel for every batch (wgmma_min_tokens 1, items of up to 144 tokens)
 // in its three configurations (0: 4 warpgroups x 1 m64 block, shared-memory weight ring; 1: 2 x 2,
 // register ring; 2: 4 x 1, register ring: printed "w0".."w2"); and the defaults (per-batch choice,
 // "v-1").
@@ -48,7 +47,6 @@ const BackendCase kBackendCases[] = {
     {5, true, 0},  {6, true, 0},  {7, true, 0},  {8, true, 0},        {9, true, 0},
     {10, true, 0}, {11, true, 0}, {12, true, 0}, {13, true, 0},       {0, false, 0},
     {4, false, 0}, {12, false, 0}, {12, false, 0, -1, true},          {10, true, 0, 7},
-    {6, true, 0, 8},
     {0, true, 1},  {1, true, 1},  {2, true, 1},  {-1, true, -1}};
 
 struct LayerCase {
@@ -226,7 +224,7 @@ class ExpertsCudaTest : public ::testing::TestWithParam<LayerCase> {
   void SetUp() override {
     std::string why;
     if (cuda::DeviceCount(&why) == 0) GTEST_SKIP() << why;
-    static_assert(sizeof(kBackendCases) / sizeof(kBackendCases[0]) == kGemmVariants + 10);
+    static_assert(sizeof(kBackendCases) / sizeof(kBackendCases[0]) == kGemmVariants + 9);
     for (const BackendCase& bc : kBackendCases) {
       CudaBackendOptions options;
       options.poison_scratch = true;
