@@ -341,7 +341,6 @@ int Main() {
                    {"variant11", 11, true, true},
                    {"variant12", 12, true, true},
                    {"variant13", 13, true, true},
-                   {"variant14", 14, true, true},
                    {"variant12_no_fold", 12, true, true, kAutoL2, true, false},
                    {"variant12_fold_grouped", 12, true, true, kAutoL2, true, true, true},
                    {"variant6_no_evict_first", 6, true, true, kAutoL2, false},

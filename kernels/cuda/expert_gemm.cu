@@ -36,24 +36,20 @@ using namespace detail;  // NOLINT: the shared device stages
 // variant 7: RT 4, KS 1 (each warp streams a whole tile; no K-split reduction).
 // Variants 8..11 (G <= 2): the ring filled by bulk copies (WarpMainloopBulk): 8 = RT 4 x KS 1,
 // 9 = RT 2 x KS 2, 10 = RT 1 x KS 4, 11..13 = RT 4 x KS 1 with rings of larger groups
-// (BulkRing). Variant 14 (G <= 2): as 6, and an item of one token (every direct route) has its B
-// words loaded once per ring round and spread over the lanes (kHeldB).
+// (BulkRing).
 // More tokens (G >= 4, variant 3 there): each warp covers two row tiles so every B fragment
 // feeds two MMAs.
 template <int G, int V>
 struct GemmConfig {
   static constexpr int kRw = G <= 2 ? 1 : 2;
-  static constexpr bool kWholeTile = V == 7 || V == 8 || (V >= 11 && V <= 13);
+  static constexpr bool kWholeTile = V == 7 || V == 8 || V >= 11;
   static constexpr int kRt = G <= 2 ? (V == 2 || V == 5 || V == 9 ? 2 : kWholeTile ? 4 : 1) : 2;
   static constexpr int kKs = G <= 2 ? (V == 5 || V == 9 ? 2 : kWholeTile ? 1 : 4) : 2;
   static constexpr int kPrefetch = G <= 2 ? 4 : 2;
   static constexpr bool kPrefetchB = G <= 2;
   static constexpr bool kWarmL1 = G <= 2 && (V == 1 || V == 2);
-  static constexpr bool kSmemRing = G <= 2 && ((V >= 4 && V <= 7) || V == 14);
-  static constexpr bool kBulk = G <= 2 && V >= 8 && V <= 13;
-  // Variant 14 at one token group: an item of one token keeps that token's B words spread over
-  // the warp's lanes (WarpMainloopRing).
-  static constexpr bool kHeldB = G == 1 && V == 14;
+  static constexpr bool kSmemRing = G <= 2 && V >= 4 && V <= 7;
+  static constexpr bool kBulk = G <= 2 && V >= 8;
 };
 
 // Ring of the bulk-copy variants (BulkRingLayout: slots x chunks per slot): 8: 4 x 2 chunks,
@@ -71,7 +67,7 @@ using BulkRing = BulkRingLayout<Fmt, V >= 11 ? 4 : 2, BulkSlots<V>()>;
 // copied by the lanes with t == 0, read by all four lanes of a row pair g).
 template <class Fmt, int V>
 constexpr int RingDepth() {
-  return V == 6 || V == 14 ? 12 : 8;
+  return V == 6 ? 12 : 8;
 }
 
 template <int G, int V>
@@ -159,20 +155,10 @@ __device__ __forceinline__ void WarpMainloop(
 // chunk; chunk i is read back after wait_group(D - 1) and a __syncwarp, and step i refills the
 // slot read at step i - 1 (after a __syncwarp) with chunk i + D - 1. B fragments: the ping-pong
 // pair, as kPrefetchB.
-//
-// kHeldB (variant 14) with held_row set (an item of one token; held_row = its activation row, 32
-// words per chunk, in the permuted order LoadBIf reads): instead of each chunk's B fragments from
-// global memory one chunk ahead (the first MMA of every chunk waited on them: ncu, NOTES-cuda.md),
-// lane L loads word L of each of the ring round's D chunks at the round's start, and each chunk's
-// fragments come from the lanes that hold them (8 shuffles: lane t of each row group reads words
-// 8t .. 8t + 7). Lanes of the other row groups get the same token's words, so the MMA's other
-// columns compute copies of column 0, which no epilogue reads. Items of more tokens (grouped
-// routes) load each chunk's fragments where they are used.
 template <class Fmt, int G, int V>
 __device__ __forceinline__ void WarpMainloopRing(const uint4* values,
                                                  const typename Fmt::Scale* scales, int chunks,
                                                  int ks, const uint4* const (&b_rows)[G],
-                                                 const uint32_t* held_row,
                                                  bool wait_after_prefetch, uint4* ring_v,
                                                  typename Fmt::Scale* ring_s, uint64_t policy,
                                                  float (&acc)[1][G][4]) {
@@ -202,18 +188,9 @@ __device__ __forceinline__ void WarpMainloopRing(const uint4* values,
     WaitForPrerequisites();
     AllowDependents();
   }
-  const bool held = Cfg::kHeldB && held_row != nullptr;
   uint4 b[2][G][2];
-  uint32_t words[D];
-  if (!Cfg::kHeldB) FirstBFragments<G>(n > 0, b_rows, ks, b);
+  FirstBFragments<G>(n > 0, b_rows, ks, b);
   for (int i0 = 0; i0 < n; i0 += D) {
-    if (held) {
-#pragma unroll
-      for (int d = 0; d < D; ++d) {
-        const int i = i0 + d;
-        words[d] = i < n ? __ldg(held_row + static_cast<int64_t>(ks + i * KS) * 32 + lane) : 0u;
-      }
-    }
 #pragma unroll
     for (int d = 0; d < D; ++d) {
       const int i = i0 + d;
@@ -226,31 +203,10 @@ __device__ __forceinline__ void WarpMainloopRing(const uint4* values,
       Scale s[1];
       v[0] = ring_v[d * kWarpLanes + lane];
       s[0] = ring_s[d * 8 + g];
-      if (held) {
-        const int from = (lane & 3) * 8;
-        uint4 hb[G][2];
+      const int chunk = ks + i * KS;
 #pragma unroll
-        for (int q = 0; q < G; ++q) {
-          hb[q][0] = make_uint4(__shfl_sync(0xffffffffu, words[d], from),
-                                __shfl_sync(0xffffffffu, words[d], from + 1),
-                                __shfl_sync(0xffffffffu, words[d], from + 2),
-                                __shfl_sync(0xffffffffu, words[d], from + 3));
-          hb[q][1] = make_uint4(__shfl_sync(0xffffffffu, words[d], from + 4),
-                                __shfl_sync(0xffffffffu, words[d], from + 5),
-                                __shfl_sync(0xffffffffu, words[d], from + 6),
-                                __shfl_sync(0xffffffffu, words[d], from + 7));
-        }
-        MultiplyChunkLoaded<Fmt, 1, G>(v, s, hb, acc);
-      } else if (Cfg::kHeldB) {
-        // Variant 14, items of several tokens: each chunk's fragments loaded where used (no
-        // ping-pong registers beside the held words).
-        MultiplyChunk<Fmt, 1, G>(v, s, b_rows, ks + i * KS, acc);
-      } else {
-        const int chunk = ks + i * KS;
-#pragma unroll
-        for (int q = 0; q < G; ++q) LoadBIf(i + 1 < n, b_rows[q], chunk + KS, b[(d + 1) & 1][q]);
-        MultiplyChunkLoaded<Fmt, 1, G>(v, s, b[d & 1], acc);
-      }
+      for (int q = 0; q < G; ++q) LoadBIf(i + 1 < n, b_rows[q], chunk + KS, b[(d + 1) & 1][q]);
+      MultiplyChunkLoaded<Fmt, 1, G>(v, s, b[d & 1], acc);
     }
   }
 }
@@ -405,16 +361,6 @@ __device__ __forceinline__ void GemmBody(const ExpertGemmParams& p, int row_bloc
     }
   }
 
-  // Variant 14: the row of an item of one token (lane independent).
-  const uint32_t* held_row = nullptr;
-  if (Cfg::kHeldB && item.count == 1) {
-    const int slot = item.slot_begin;
-    const int row = direct ? (kGemm1 ? DirectToken(p, slot) : slot)
-                           : (p.b_row_of_slot != nullptr ? p.b_row_of_slot[slot] : slot);
-    held_row = reinterpret_cast<const uint32_t*>(reinterpret_cast<const uint4*>(p.b_rows) +
-                                                 row * b_row_vectors);
-  }
-
   float acc[RW][G][4];
   ZeroAccumulators<RW, G>(acc);
 
@@ -453,7 +399,7 @@ __device__ __forceinline__ void GemmBody(const ExpertGemmParams& p, int row_bloc
     static_assert(RW == 1, "the ring main loop streams one tile per warp");
     constexpr int kWarpChunks = RingDepth<Fmt, V>();
     WarpMainloopRing<Fmt, G, V>(stream.values[0], stream.scales[0], p.chunks, ks, b_rows,
-                                held_row, wait_after_prefetch, ring_v + warp * kWarpChunks * kWarpLanes,
+                                wait_after_prefetch, ring_v + warp * kWarpChunks * kWarpLanes,
                                 ring_s + warp * kWarpChunks * 8, L2Policy(p.weights_evict_first),
                                 acc);
   } else {
@@ -522,16 +468,16 @@ constexpr GemmEntry Entry() {
 const GemmEntry kGemmTable[4][kMaxGemmVariant + 1] = {
     {Entry<1, 0>(), Entry<1, 1>(), Entry<1, 2>(), Entry<1, 0>(), Entry<1, 4>(), Entry<1, 5>(),
      Entry<1, 6>(), Entry<1, 7>(), Entry<1, 8>(), Entry<1, 9>(), Entry<1, 10>(), Entry<1, 11>(),
-     Entry<1, 12>(), Entry<1, 13>(), Entry<1, 14>()},
+     Entry<1, 12>(), Entry<1, 13>()},
     {Entry<2, 0>(), Entry<2, 1>(), Entry<2, 2>(), Entry<2, 0>(), Entry<2, 4>(), Entry<2, 5>(),
      Entry<2, 6>(), Entry<2, 7>(), Entry<2, 8>(), Entry<2, 9>(), Entry<2, 10>(), Entry<2, 11>(),
-     Entry<2, 12>(), Entry<2, 13>(), Entry<2, 14>()},
+     Entry<2, 12>(), Entry<2, 13>()},
     {Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(),
      Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>(),
-     Entry<4, 0>(), Entry<4, 0>(), Entry<4, 0>()},
+     Entry<4, 0>(), Entry<4, 0>()},
     {Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(),
      Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(),
-     Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>()}};
+     Entry<8, 0>(), Entry<8, 0>()}};
 
 // The ring kernels want the largest shared-memory carveout (their occupancy is bounded by shared
 // memory); set once, before their first launch.

@@ -168,7 +168,7 @@ struct ExpertCombineParams {
 // GEMM1 (launched programmatically) start launching at once; GEMM1 waits for its completion.
 cudaError_t LaunchExpertPrologue(const ExpertPrologueParams& p, cudaStream_t stream);
 
-inline constexpr int kMaxGemmVariant = 14;
+inline constexpr int kMaxGemmVariant = 13;
 // ExpertRunner / CUDA backend setting (not a GemmLaunch value): pick the variant per batch from
 // the format and the routes (ExpertRunner::set_gemm_variant; the measured best, NOTES-cuda.md).
 inline constexpr int kAutoGemmVariant = -1;
@@ -193,15 +193,13 @@ struct GemmLaunch {
   // weights in a per-warp shared-memory ring filled by bulk copies (4-warp CTAs, 4 per SM at G =
   // 4), 5 = the same with 8-warp CTAs (2 per SM) and empty token groups skipped (G = 8: as 4), 6 =
   // as 4 with groups of 4 chunks, 7 = as 6 with 2 B stages and 5 CTAs per SM (G = 8: as 6), 8 = as
-  // 6 without the MMAs of token groups past the item's tokens (the default), 9..14 as 0. 8..13
+  // 6 without the MMAs of token groups past the item's tokens (the default), 9..13 as 0. 8..13
   // (token_groups <= 2): the ring filled by bulk copies (cp.async.bulk, one request per group of 2
   // or 4 chunks per warp, an mbarrier per ring slot; GemmUsesBulkCopies): 8 = four row warps, no K
   // split, ring of 8 chunks in groups of 2; 9 = two row warps x 2-way K split, 12 chunks; 10 = one
   // row warp x 4-way K split, 12 chunks; 11 = as 8 with 12 chunks in 3 groups of 4; 12 = as 8 with
-  // 2 groups of 4 (10 CTAs per SM); 13 = as 12 with 12 CTAs per SM (fewer registers); 14 = as 6,
-  // and an item of one token (every direct route) reads its B words once per ring round, spread
-  // over the lanes, instead of each chunk's fragments one chunk ahead. token_groups
-  // 18 (wgmma): 0 = 4 warpgroups x 1 m64 block with a shared-memory weight ring (also 3..14), 1 = 2
+  // 2 groups of 4 (10 CTAs per SM); 13 = as 12 with 12 CTAs per SM (fewer registers). token_groups
+  // 18 (wgmma): 0 = 4 warpgroups x 1 m64 block with a shared-memory weight ring (also 3..13), 1 = 2
   // x 2 with the register ring, 2 = 4 x 1 with the register ring. 0 is the measured best
   // (NOTES-cuda.md; wgmma 0 and 2 tie).
   int variant = 0;
@@ -231,7 +229,7 @@ inline bool GemmCanFoldCombine(int token_groups, int variant) {
 // Whether (token_groups, variant) streams its weights with bulk copies (ExpertGemmParams
 // l2_prefetch applies).
 inline bool GemmUsesBulkCopies(int token_groups, int variant) {
-  return token_groups <= 2 && variant >= 8 && variant <= 13;
+  return token_groups <= 2 && variant >= 8;
 }
 inline constexpr int kFoldRowsPerBlock = 16;
 
