@@ -97,6 +97,25 @@ __device__ __forceinline__ uint32_t LeMaskBf16x2(uint32_t a, uint32_t b) {
   return d;
 }
 
+// 1.0 in each half where a >= b (a <= b), else 0.0; NaN compares false.
+__device__ __forceinline__ uint32_t GeOneBf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("set.ge.bf16x2.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t LeOneBf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("set.le.bf16x2.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t FmaBf16x2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
 // Bitwise mask ? a : b (one LOP3).
 __device__ __forceinline__ uint32_t Select(uint32_t mask, uint32_t a, uint32_t b) {
   return (a & mask) | (b & ~mask);
@@ -299,25 +318,6 @@ struct ChunkPairs {
 __device__ __forceinline__ ChunkPairs RePair(const uint4& c) {
   return {{__byte_perm(c.x, c.z, 0x5410), __byte_perm(c.x, c.z, 0x7632),
            __byte_perm(c.y, c.w, 0x5410), __byte_perm(c.y, c.w, 0x7632)}};
-}
-
-// 1.0 in each half where a >= b (a <= b), else 0.0; NaN compares false.
-__device__ __forceinline__ uint32_t GeOneBf16x2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("set.ge.bf16x2.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-
-__device__ __forceinline__ uint32_t LeOneBf16x2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("set.le.bf16x2.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-
-__device__ __forceinline__ uint32_t FmaBf16x2(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
 }
 
 // The E2M1 code of |x| is the number of thresholds v[k] it reaches (kE2m1Bounds, in order). Per
