@@ -217,13 +217,14 @@ struct WgWLoader {
   }
 };
 
-// GEMM1 epilogue (natural order act rows): acc[4q + e] = (row g (e < 2: gate) or g + 8 (up),
-// token 8q + 2t + e % 2) of tile `tile`.
-template <int N>
-__device__ __forceinline__ void WgEpilogueAct(const ExpertGemmParams& p, const ExpertItem& item,
-                                              int tile, int lane, const float (&acc)[N / 2]) {
+// The activated values of a warp's tile (gate row g, up row g + 8: output column tile * 8 + g) for
+// its tokens below item.count, as bf16 bits: emit(col, value). Columns at or past out_valid are
+// zeros (the act row's padding).
+template <int N, class Emit>
+__device__ __forceinline__ void ForEachActValue(const ExpertGemmParams& p, const ExpertItem& item,
+                                                int tile, int lane, const float (&acc)[N / 2],
+                                                Emit&& emit) {
   const int g = lane >> 2, t = lane & 3;
-  if (tile * 8 >= p.out_cols) return;
   const float scale_gate = p.ep_scale[item.expert * 3 + 0];
   const float scale_up = p.ep_scale[item.expert * 3 + 1];
   const int j = tile * 8 + g;
@@ -231,19 +232,34 @@ __device__ __forceinline__ void WgEpilogueAct(const ExpertGemmParams& p, const E
   const int64_t bias_at = static_cast<int64_t>(item.expert) * p.out_valid + j;
   const float bias_gate = real ? p.bias_a[bias_at] : 0.f;
   const float bias_up = real ? p.bias_b[bias_at] : 0.f;
+  WithActKind(p.act.kind, [&](auto kind) {
 #pragma unroll
-  for (int q = 0; q < N / 8; ++q) {
+    for (int q = 0; q < N / 8; ++q) {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int col = q * kTileTokens + 2 * t + e;
-      if (col >= item.count) continue;
-      const float value = real ? Activate(p.act, acc[4 * q + e] * scale_gate + bias_gate,
-                                          acc[4 * q + 2 + e] * scale_up + bias_up)
-                               : 0.f;
-      const int64_t row = item.slot_begin + col;
-      p.act_out[row * p.out_cols + j] = __bfloat16_as_ushort(__float2bfloat16_rn(value));
+      for (int e = 0; e < 2; ++e) {
+        const int col = q * kTileTokens + 2 * t + e;
+        if (col >= item.count) continue;
+        const float value =
+            real ? Activate<decltype(kind)::value>(p.act, acc[4 * q + e] * scale_gate + bias_gate,
+                                                   acc[4 * q + 2 + e] * scale_up + bias_up)
+                 : 0.f;
+        emit(col, __bfloat16_as_ushort(__float2bfloat16_rn(value)));
+      }
     }
-  }
+  });
+}
+
+// GEMM1 epilogue (natural order act rows): acc[4q + e] = (row g (e < 2: gate) or g + 8 (up),
+// token 8q + 2t + e % 2) of tile `tile`.
+template <int N>
+__device__ __forceinline__ void WgEpilogueAct(const ExpertGemmParams& p, const ExpertItem& item,
+                                              int tile, int lane, const float (&acc)[N / 2]) {
+  if (tile * 8 >= p.out_cols) return;
+  const int g = lane >> 2;
+  const int j = tile * 8 + g;
+  ForEachActValue<N>(p, item, tile, lane, acc, [&](int col, uint16_t value) {
+    p.act_out[static_cast<int64_t>(item.slot_begin + col) * p.out_cols + j] = value;
+  });
 }
 
 // GEMM2 epilogue: y[route, h] = acc * scale + b2[h].
@@ -291,6 +307,90 @@ __device__ __forceinline__ void WgFinish(const ExpertGemmParams& p, const Expert
       WgEpilogueAct<N>(p, item, tile_base + 4 * b, lane, acc[b]);
     } else {
       WgEpilogueY<N>(p, item, tile_base + 4 * b, lane, acc[b]);
+    }
+  }
+}
+
+// Variant 0's epilogue, through shared memory (its B stages and weight ring are free once every
+// wgmma group of the CTA is done): each warp writes its tile's values into a [token][row] tile,
+// then whole token rows leave in coalesced 16-byte stores. Writing each value straight to global
+// memory (2 or 4 bytes per store; GEMM2 loading each token's y row index next to its store) kept
+// the SM's tensor cores idle for ~20% of the GEMM at 4096 tokens (NOTES-cuda.md). Row pitches
+// are padded so that the tile writes hit 32 distinct banks (act: 136 bf16, y: 260 floats).
+constexpr int kWgActPitch = 128 + 8;  // bf16 per token of the act tile (128 columns)
+constexpr int kWgYPitch = 256 + 4;    // floats per token of the y tile (256 rows)
+constexpr uint32_t kWgStagedEpilogueBytes =
+    kWgMaxTokens * kWgYPitch * sizeof(float) + kWgMaxTokens * sizeof(int32_t);
+
+extern __shared__ __align__(16) uint8_t wg_smem[];
+
+template <bool kGemm1, int kThreads, int N>
+__device__ __forceinline__ void WgFinishStaged(const ExpertGemmParams& p, const ExpertItem& item,
+                                               int row_block, int slot, uint32_t smem_base,
+                                               int lane, const float (&acc)[N / 2]) {
+  WgmmaWait<0>();
+  WgCpAsyncWait<0>();
+  __syncthreads();  // every warpgroup's wgmma has read its last stage
+  uint8_t* smem = wg_smem + (smem_base - static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem)));
+  const int tile = row_block * 16 + slot;
+  const int g = lane >> 2, t = lane & 3;
+  if constexpr (kGemm1) {
+    uint16_t* act = reinterpret_cast<uint16_t*>(smem);
+    if (tile * 8 < p.out_cols) {
+      ForEachActValue<N>(p, item, tile, lane, acc, [&](int col, uint16_t value) {
+        act[col * kWgActPitch + slot * 8 + g] = value;
+      });
+    }
+    __syncthreads();
+    // out_cols is a multiple of 64, so rows and the CTA's 128 columns are 16-byte aligned.
+    const int vectors = min(16, (p.out_cols - row_block * 128) / 8);
+    uint16_t* out = p.act_out + static_cast<int64_t>(item.slot_begin) * p.out_cols + row_block * 128;
+    for (int idx = threadIdx.x; idx < item.count * 16; idx += kThreads) {
+      const int col = idx >> 4, v = idx & 15;
+      if (v >= vectors) continue;
+      const uint4 value = *reinterpret_cast<const uint4*>(act + col * kWgActPitch + v * 8);
+      *reinterpret_cast<uint4*>(out + static_cast<int64_t>(col) * p.out_cols + v * 8) = value;
+    }
+  } else {
+    float* y = reinterpret_cast<float*>(smem);
+    int32_t* routes = reinterpret_cast<int32_t*>(smem + kWgMaxTokens * kWgYPitch * sizeof(float));
+    for (int col = threadIdx.x; col < item.count; col += kThreads) {
+      routes[col] = p.slot_route[item.slot_begin + col];
+    }
+    const float scale = p.ep_scale[item.expert * 3 + 2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = slot * kTileRows + g + 8 * half;
+      const int h = row_block * 256 + r;
+      const float bias = h < p.out_valid ? p.bias_a[static_cast<int64_t>(item.expert) * p.out_valid + h] : 0.f;
+#pragma unroll
+      for (int q = 0; q < N / 8; ++q) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = q * kTileTokens + 2 * t + e;
+          if (col < item.count) y[col * kWgYPitch + r] = acc[4 * q + 2 * half + e] * scale + bias;
+        }
+      }
+    }
+    __syncthreads();
+    const int rows = min(256, p.out_valid - row_block * 256);
+    float* out = p.y_out + row_block * 256;
+    const bool vector = (rows & 3) == 0 && (p.out_cols & 3) == 0 &&
+                        (reinterpret_cast<uintptr_t>(p.y_out) & 15) == 0;
+    if (vector) {
+      const int vectors = rows / 4;
+      for (int idx = threadIdx.x; idx < item.count * 64; idx += kThreads) {
+        const int col = idx >> 6, v = idx & 63;
+        if (v >= vectors) continue;
+        const float4 value = *reinterpret_cast<const float4*>(y + col * kWgYPitch + v * 4);
+        *reinterpret_cast<float4*>(out + static_cast<int64_t>(routes[col]) * p.out_cols + v * 4) =
+            value;
+      }
+    } else {
+      for (int idx = threadIdx.x; idx < item.count * 256; idx += kThreads) {
+        const int col = idx >> 8, r = idx & 255;
+        if (r < rows) out[static_cast<int64_t>(routes[col]) * p.out_cols + r] = y[col * kWgYPitch + r];
+      }
     }
   }
 }
@@ -461,7 +561,8 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const Exp
     bstage = bstage == SB - 1 ? 0 : bstage + 1;
     wstage = wstage == SW - 1 ? 0 : wstage + 1;
   }
-  WgFinish<kGemm1, MB, N>(p, item, tile_base, lane, acc);
+  static_assert(MB == 1 && WgSmemBytes<Fmt, V>() >= kWgStagedEpilogueBytes + 1024);
+  WgFinishStaged<kGemm1, Cfg::kThreads, N>(p, item, row_block, slot_base, smem_base, lane, acc[0]);
 }
 
 template <class Fmt, bool kGemm1, int V, int N>
@@ -480,8 +581,7 @@ __device__ __forceinline__ void WgRun(const ExpertGemmParams& p, const ExpertIte
 template <class Fmt, bool kGemm1, int V>
 __global__ void __launch_bounds__(WgConfig<V>::kThreads, 1)
     WgmmaGemmKernel(const ExpertGemmParams p, int row_blocks) {
-  extern __shared__ uint8_t wg_smem[];
-  ExpertItem item;
+    ExpertItem item;
   int row_block;
   if (!BlockItem<kGemm1>(p, row_blocks, item, row_block)) return;  // whole CTA
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem));
