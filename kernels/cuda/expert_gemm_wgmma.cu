@@ -12,7 +12,7 @@
 // 16-byte vector v stored at vector v ^ (n % 8); stages 1024-byte aligned). Activations on this
 // path are in natural K order (the prologue and this GEMM1's epilogue write them so when the plan
 // uses this kernel; ExpertPrologueParams::natural_order). The item's token count picks the wgmma
-// width N in {32, 64, 96, 128, 144} once per CTA; token columns past the count hold stale shared
+// width N in {32, 64, 96, 104, ..., 144} once per CTA; token columns past the count hold stale shared
 // memory and only feed accumulator columns the epilogue never writes.
 //
 // Per chunk i (all threads): wait for its B stage, barrier, refill the stages of chunk i - 2
@@ -592,8 +592,16 @@ __global__ void __launch_bounds__(WgConfig<V>::kThreads, 1)
     WgRun<Fmt, kGemm1, V, 64>(p, item, row_block, smem_base);
   } else if (item.count <= 96) {
     WgRun<Fmt, kGemm1, V, 96>(p, item, row_block, smem_base);
+  } else if (item.count <= 104) {
+    WgRun<Fmt, kGemm1, V, 104>(p, item, row_block, smem_base);
+  } else if (item.count <= 112) {
+    WgRun<Fmt, kGemm1, V, 112>(p, item, row_block, smem_base);
+  } else if (item.count <= 120) {
+    WgRun<Fmt, kGemm1, V, 120>(p, item, row_block, smem_base);
   } else if (item.count <= 128) {
     WgRun<Fmt, kGemm1, V, 128>(p, item, row_block, smem_base);
+  } else if (item.count <= 136) {
+    WgRun<Fmt, kGemm1, V, 136>(p, item, row_block, smem_base);
   } else {
     WgRun<Fmt, kGemm1, V, 144>(p, item, row_block, smem_base);
   }
