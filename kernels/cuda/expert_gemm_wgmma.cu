@@ -12,8 +12,8 @@
 // 16-byte vector v stored at vector v ^ (n % 8); stages 1024-byte aligned). Activations on this
 // path are in natural K order (the prologue and this GEMM1's epilogue write them so when the plan
 // uses this kernel; ExpertPrologueParams::natural_order). The item's token count picks the wgmma
-// width N in {32, 64, 96, 104, ..., 144} once per CTA; token columns past the count hold stale shared
-// memory and only feed accumulator columns the epilogue never writes.
+// width N in {32, 64, 96, 104, ..., 144} once per CTA; token columns past the count hold stale
+// shared memory and only feed accumulator columns the epilogue never writes.
 //
 // Per chunk i (all threads): wait for its B stage, barrier, refill the stages of chunk i - 2
 // (their wgmma groups finished: every warpgroup waited for them before the barrier), then per
@@ -344,7 +344,8 @@ __device__ __forceinline__ void WgFinishStaged(const ExpertGemmParams& p, const 
     __syncthreads();
     // out_cols is a multiple of 64, so rows and the CTA's 128 columns are 16-byte aligned.
     const int vectors = min(16, (p.out_cols - row_block * 128) / 8);
-    uint16_t* out = p.act_out + static_cast<int64_t>(item.slot_begin) * p.out_cols + row_block * 128;
+    uint16_t* out =
+        p.act_out + static_cast<int64_t>(item.slot_begin) * p.out_cols + row_block * 128;
     for (int idx = threadIdx.x; idx < item.count * 16; idx += kThreads) {
       const int col = idx >> 4, v = idx & 15;
       if (v >= vectors) continue;
@@ -362,7 +363,8 @@ __device__ __forceinline__ void WgFinishStaged(const ExpertGemmParams& p, const 
     for (int half = 0; half < 2; ++half) {
       const int r = slot * kTileRows + g + 8 * half;
       const int h = row_block * 256 + r;
-      const float bias = h < p.out_valid ? p.bias_a[static_cast<int64_t>(item.expert) * p.out_valid + h] : 0.f;
+      const float bias =
+          h < p.out_valid ? p.bias_a[static_cast<int64_t>(item.expert) * p.out_valid + h] : 0.f;
 #pragma unroll
       for (int q = 0; q < N / 8; ++q) {
 #pragma unroll
@@ -389,7 +391,9 @@ __device__ __forceinline__ void WgFinishStaged(const ExpertGemmParams& p, const 
     } else {
       for (int idx = threadIdx.x; idx < item.count * 256; idx += kThreads) {
         const int col = idx >> 8, r = idx & 255;
-        if (r < rows) out[static_cast<int64_t>(routes[col]) * p.out_cols + r] = y[col * kWgYPitch + r];
+        if (r < rows) {
+          out[static_cast<int64_t>(routes[col]) * p.out_cols + r] = y[col * kWgYPitch + r];
+        }
       }
     }
   }
