@@ -44,7 +44,10 @@ ABSL_FLAG(int, check_tokens, 8, "token count checked against the CPU reference (
 ABSL_FLAG(int, variant, -1,
           "GEMM variant of the main measurement (-1: the runner's per-batch choice)");
 ABSL_FLAG(std::string, extras, "",
-          "comma-separated names of the extra configurations to time (empty: all)");
+          "comma-separated names of the extra configurations to time (empty: all), the wgmma "
+          "points' ones included (mma_sync_no_wgmma, wgmma_variant1, wgmma_variant2, "
+          "wgmma_hidden_staged, wgmma_y_f32, wgmma_staged_y_f32); a name that matches none "
+          "(e.g. none) times none");
 ABSL_FLAG(int, extras_max_tokens, 1 << 30,
           "up to this token count also time GEMM variants 1..3 (and launches without PDL up to "
           "64 tokens)");
@@ -290,19 +293,47 @@ int Main() {
                         {"stage_median_us",
                          {{"prologue", sp[0]}, {"gemm1", sp[1]}, {"gemm2", sp[2]}, {"combine", sp[3]}}}});
     };
+    const std::string wanted = absl::GetFlag(FLAGS_extras);
+    const std::vector<std::string> wanted_names = absl::StrSplit(wanted, ',', absl::SkipEmpty());
+    const auto is_wanted = [&](const std::string& name) {
+      return wanted.empty() ||
+             std::find(wanted_names.begin(), wanted_names.end(), name) != wanted_names.end();
+    };
     const bool wgmma = sets[0]->plan.max_count >= cuda::ExpertRunner::kDefaultWgmmaMinTokens;
     if (wgmma) {
       // The same sets through the mma.sync kernels (wgmma off): old vs new in one run.
-      runner.set_wgmma_min_tokens(0);
-      time_with_stages("mma_sync_no_wgmma");
-      runner.set_wgmma_min_tokens(cuda::ExpertRunner::kDefaultWgmmaMinTokens);
+      if (is_wanted("mma_sync_no_wgmma")) {
+        runner.set_wgmma_min_tokens(0);
+        time_with_stages("mma_sync_no_wgmma");
+        runner.set_wgmma_min_tokens(cuda::ExpertRunner::kDefaultWgmmaMinTokens);
+      }
       // The other wgmma configurations (variant 1: 2 warpgroups x 2 m64 blocks, register weight
       // ring; variant 2: 4 x 1, register weight ring).
       for (int variant : {1, 2}) {
+        if (!is_wanted(absl::StrCat("wgmma_variant", variant))) continue;
         runner.set_gemm_variant(variant);
         time_with_stages(absl::StrCat("wgmma_variant", variant));
       }
       runner.set_gemm_variant(absl::GetFlag(FLAGS_variant));
+      // The default's two byte savers off, one at a time: hidden rows staged for GEMM1 instead
+      // of read in place, and y in F32 instead of BF16.
+      if (is_wanted("wgmma_hidden_staged")) {
+        runner.set_hidden_in_place(false);
+        time_with_stages("wgmma_hidden_staged");
+        runner.set_hidden_in_place(true);
+      }
+      if (is_wanted("wgmma_y_f32")) {
+        runner.set_y_bf16(false);
+        time_with_stages("wgmma_y_f32");
+        runner.set_y_bf16(true);
+      }
+      if (is_wanted("wgmma_staged_y_f32")) {  // both off: the form before they existed
+        runner.set_hidden_in_place(false);
+        runner.set_y_bf16(false);
+        time_with_stages("wgmma_staged_y_f32");
+        runner.set_hidden_in_place(true);
+        runner.set_y_bf16(true);
+      }
     }
     if (!wgmma && sets[0]->plan.max_count > 8) {
       // The same sets through the wgmma kernel (every batch): where the threshold should be.
@@ -361,8 +392,6 @@ int Main() {
                    {"variant10_l2_own_next", 10, true, true,
                     cuda::kL2PrefetchOwn | cuda::kL2PrefetchNext},
                    {"auto_no_pdl", cuda::kAutoGemmVariant, false, true}};
-      const std::string wanted = absl::GetFlag(FLAGS_extras);
-      const std::vector<std::string> wanted_names = absl::StrSplit(wanted, ',', absl::SkipEmpty());
       for (const auto& k : knobs) {
         if (!k.pdl && tokens > 64) continue;
         if (!wanted.empty() && std::find(wanted_names.begin(), wanted_names.end(),

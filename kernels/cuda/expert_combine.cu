@@ -21,6 +21,14 @@ __device__ __forceinline__ void AddScaled(float4& acc, float w, const float4& y)
   acc.w += w * y.w;
 }
 
+// Four consecutive y values of one row, F32 or BF16.
+__device__ __forceinline__ float4 LoadY(const ExpertCombineParams& p, int64_t at) {
+  if (!p.y_bf16) return __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.y) + at));
+  const uint2 v = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(p.y) + at));
+  return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xFFFF0000u),
+                     __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xFFFF0000u));
+}
+
 __global__ void __launch_bounds__(kThreads) ExpertCombineKernel(const ExpertCombineParams p,
                                                                int blocks_per_token) {
   asm volatile("griddepcontrol.wait;" ::: "memory");  // y comes from GEMM2
@@ -32,13 +40,12 @@ __global__ void __launch_bounds__(kThreads) ExpertCombineKernel(const ExpertComb
   for (int k = 0; k < p.top_k; ++k) {
     const int64_t route = token * p.top_k + k;
     if (p.ids[route] < 0) continue;
-    const float4 y = __ldg(reinterpret_cast<const float4*>(p.y + route * p.hidden_size + h));
-    AddScaled(acc, p.weights[route], y);
+    AddScaled(acc, p.weights[route], LoadY(p, route * p.hidden_size + h));
   }
   if (p.shared_mask != nullptr && p.shared_mask[token] != 0) {
     for (int s = 0; s < p.num_shared; ++s) {
       const int64_t row = routes + static_cast<int64_t>(s) * p.tokens + token;
-      AddScaled(acc, 1.f, __ldg(reinterpret_cast<const float4*>(p.y + row * p.hidden_size + h)));
+      AddScaled(acc, 1.f, LoadY(p, row * p.hidden_size + h));
     }
   }
   const int64_t at = token * p.hidden_size + h;

@@ -324,6 +324,12 @@ constexpr uint32_t kWgStagedEpilogueBytes =
 
 extern __shared__ __align__(16) uint8_t wg_smem[];
 
+// Two floats as BF16 (round to nearest even), lo in the low half.
+__device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 template <bool kGemm1, int kThreads, int N>
 __device__ __forceinline__ void WgFinishStaged(const ExpertGemmParams& p, const ExpertItem& item,
                                                int row_block, int slot, uint32_t smem_base,
@@ -376,9 +382,34 @@ __device__ __forceinline__ void WgFinishStaged(const ExpertGemmParams& p, const 
     }
     __syncthreads();
     const int rows = min(256, p.out_valid - row_block * 256);
+    const bool aligned = (reinterpret_cast<uintptr_t>(p.y_out) & 15) == 0;
+    if (p.y_bf16) {
+      uint16_t* out = reinterpret_cast<uint16_t*>(p.y_out) + row_block * 256;
+      if ((rows & 7) == 0 && (p.out_cols & 7) == 0 && aligned) {
+        const int vectors = rows / 8;  // 8 rows per 16-byte store
+        for (int idx = threadIdx.x; idx < item.count * 32; idx += kThreads) {
+          const int col = idx >> 5, v = idx & 31;
+          if (v >= vectors) continue;
+          const float4 lo = *reinterpret_cast<const float4*>(y + col * kWgYPitch + v * 8);
+          const float4 hi = *reinterpret_cast<const float4*>(y + col * kWgYPitch + v * 8 + 4);
+          const uint4 value = make_uint4(PackBf16x2(lo.x, lo.y), PackBf16x2(lo.z, lo.w),
+                                         PackBf16x2(hi.x, hi.y), PackBf16x2(hi.z, hi.w));
+          *reinterpret_cast<uint4*>(out + static_cast<int64_t>(routes[col]) * p.out_cols + v * 8) =
+              value;
+        }
+      } else {
+        for (int idx = threadIdx.x; idx < item.count * 256; idx += kThreads) {
+          const int col = idx >> 8, r = idx & 255;
+          if (r < rows) {
+            out[static_cast<int64_t>(routes[col]) * p.out_cols + r] =
+                __bfloat16_as_ushort(__float2bfloat16_rn(y[col * kWgYPitch + r]));
+          }
+        }
+      }
+      return;
+    }
     float* out = p.y_out + row_block * 256;
-    const bool vector = (rows & 3) == 0 && (p.out_cols & 3) == 0 &&
-                        (reinterpret_cast<uintptr_t>(p.y_out) & 15) == 0;
+    const bool vector = (rows & 3) == 0 && (p.out_cols & 3) == 0 && aligned;
     if (vector) {
       const int vectors = rows / 4;
       for (int idx = threadIdx.x; idx < item.count * 64; idx += kThreads) {
@@ -663,6 +694,9 @@ cudaError_t LaunchWgmmaGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
                             cudaStream_t stream) {
   if (cudaError_t e = ConfigureSharedMemory(); e != cudaSuccess) return e;
   const int64_t rows = launch.gemm1 ? 2 * static_cast<int64_t>(p.out_cols) : p.out_valid;
+  if (p.y_bf16 && (launch.gemm1 || !WgmmaStagesEpilogue(launch.variant))) {
+    return cudaErrorInvalidValue;
+  }
   const WgLaunchEntry e = WgLookup(launch.variant, launch.format == Fp4Format::kNvfp4 ? 1 : 0,
                                    launch.gemm1 ? 0 : 1);
   const int64_t row_blocks = (rows + e.rows - 1) / e.rows;

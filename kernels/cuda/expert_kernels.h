@@ -59,6 +59,9 @@ struct ExpertPrologueParams {
   // False: only stage the hidden states (the GEMMs take routes directly, ExpertGemmParams
   // direct_ids), no grouping block; slot_token, slot_route, items and num_items are not written.
   bool group_routes = true;
+  // False: the hidden rows are not staged (x_staged is not written) because GEMM1 reads them in
+  // place (BF16 rows whose length is a whole number of chunks, natural order: the wgmma kernel).
+  bool stage_hidden = true;
   // When GEMM2 folds the combine (ExpertGemmParams::fold_counters), the output rows of tokens
   // with no route at all (every id -1, no marked shared expert) are written here as zeros (no
   // GEMM2 CTA counts for them). Null otherwise.
@@ -99,6 +102,10 @@ struct ExpertGemmParams {
   ActivationDesc act;             // GEMM1 only
   uint16_t* act_out = nullptr;    // GEMM1: [slots][out_cols] bf16, permuted
   float* y_out = nullptr;         // GEMM2: [route rows][H]
+  // GEMM2 of the wgmma kernel's variant 0 only (LaunchExpertGemm refuses it elsewhere): y_out
+  // holds BF16 values (rounded to nearest even, same row pitch in elements) instead of F32,
+  // which halves the y bytes GEMM2 writes and the combine reads.
+  bool y_bf16 = false;
   const int32_t* slot_route = nullptr;  // GEMM2: y row of each slot
   // Direct routes (no grouping; for batches where no expert slot has more than one route): when
   // direct_ids is set, item i is route i of the y rows (t*K+k, then T*K + s*T + t for shared
@@ -152,7 +159,8 @@ inline constexpr int kL2PrefetchNext = 2;
 inline constexpr int kL2PrefetchAhead = 4;
 
 struct ExpertCombineParams {
-  const float* y = nullptr;              // [T*K + S*T, H]
+  const void* y = nullptr;               // [T*K + S*T, H] F32, or BF16 when y_bf16
+  bool y_bf16 = false;
   const int32_t* ids = nullptr;          // [T, K]
   const float* weights = nullptr;        // [T, K]
   const uint8_t* shared_mask = nullptr;  // [T] or null
@@ -175,6 +183,9 @@ inline constexpr int kAutoGemmVariant = -1;
 // GemmLaunch::token_groups of the wgmma kernel (items of up to 144 tokens: at 128 about half the
 // slots of a 4096-token batch of problems A and B had a few-token second item, a whole weight pass).
 inline constexpr int kWgmmaTokenGroups = 18;
+// The wgmma variants whose epilogue goes through shared memory (all but the measured-only 1 and
+// 2, whose ring leaves no room for the tile): only these write BF16 y (ExpertGemmParams::y_bf16).
+inline bool WgmmaStagesEpilogue(int variant) { return variant != 1 && variant != 2; }
 
 struct GemmLaunch {
   Fp4Format format = Fp4Format::kMxfp4;

@@ -222,14 +222,16 @@ __global__ void __launch_bounds__(kThreads) ExpertPrologueKernel(const ExpertPro
   // nothing of ours before its griddepcontrol.wait, which waits for this grid to complete.
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   if (!p.group_routes) {
-    StageHidden(p, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
+    if (p.stage_hidden) StageHidden(p, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
     if (p.zero_unrouted_out != nullptr) {
       ZeroUnroutedRows(p, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
     }
   } else if (blockIdx.x == 0) {
     GroupRoutes(p);
   } else {
-    StageHidden(p, static_cast<int>(blockIdx.x) - 1, static_cast<int>(gridDim.x) - 1);
+    if (p.stage_hidden) {
+      StageHidden(p, static_cast<int>(blockIdx.x) - 1, static_cast<int>(gridDim.x) - 1);
+    }
     if (p.zero_unrouted_out != nullptr) {
       ZeroUnroutedRows(p, static_cast<int>(blockIdx.x) - 1, static_cast<int>(gridDim.x) - 1);
     }
@@ -241,10 +243,19 @@ __global__ void __launch_bounds__(kThreads) ExpertPrologueKernel(const ExpertPro
 cudaError_t LaunchExpertPrologue(const ExpertPrologueParams& p, cudaStream_t stream) {
   const int slots = p.num_experts + p.num_shared;
   if (slots <= 0 || slots > kMaxPrologueSlots || p.tile_tokens <= 0) return cudaErrorInvalidValue;
+  // Blocks besides the grouping block: enough for the staging (vectors of the rows), or, when
+  // nothing is staged, one per 64 tokens for the unrouted rows' zeros, or none.
   const int64_t vectors =
-      static_cast<int64_t>(p.hidden_chunks) * kActChunkVectors * static_cast<int64_t>(p.tokens);
-  const int64_t staging_blocks =
+      p.stage_hidden
+          ? static_cast<int64_t>(p.hidden_chunks) * kActChunkVectors * static_cast<int64_t>(p.tokens)
+          : 0;
+  int64_t staging_blocks =
       vectors == 0 ? 1 : std::min<int64_t>(kMaxStagingBlocks, (vectors + kThreads - 1) / kThreads);
+  if (!p.stage_hidden) {
+    staging_blocks = p.zero_unrouted_out == nullptr
+                         ? (p.group_routes ? 0 : 1)
+                         : std::min<int64_t>(kMaxStagingBlocks, (p.tokens + 63) / 64);
+  }
   const size_t smem = p.group_routes ? (3 * static_cast<size_t>(slots) + 1) * sizeof(int32_t) +
                                            kWarps * sizeof(int2)
                                      : 0;

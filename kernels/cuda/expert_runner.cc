@@ -328,6 +328,12 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   pro.items = items_.as<ExpertItem>();
   pro.num_items = num_items_.as<int32_t>();
   pro.natural_order = wgmma;
+  // The wgmma kernel reads B rows in natural order, so BF16 hidden rows of whole chunks serve as
+  // GEMM1's B rows in place: the prologue then stages nothing and only groups the routes.
+  const bool hidden_in_place =
+      wgmma && hidden_in_place_ && batch.hidden_bf16 && layer.hidden == layer.hidden_chunks * 64 &&
+      reinterpret_cast<uintptr_t>(batch.hidden) % 16 == 0;
+  pro.stage_hidden = !hidden_in_place;
   if (absl::Status s = CudaStatus(LaunchExpertPrologue(pro, stream), "expert prologue");
       !s.ok()) {
     return s;
@@ -350,7 +356,8 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
     g1.direct_experts = layer.num_experts;
     g1.direct_shared = plan.num_shared;
   }
-  g1.b_rows = x_staged_.as<uint16_t>();
+  g1.b_rows = hidden_in_place ? static_cast<const uint16_t*>(batch.hidden)
+                              : x_staged_.as<uint16_t>();
   g1.b_row_of_slot = slot_token_.as<int32_t>();
   g1.bias_a = layer.bias_gate.as<float>();
   g1.bias_b = layer.bias_up.as<float>();
@@ -415,6 +422,7 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   g2.out_valid = static_cast<int32_t>(layer.hidden);
   g2.out_cols = static_cast<int32_t>(layer.hidden);
   g2.y_out = y_.as<float>();
+  g2.y_bf16 = wgmma && y_bf16_ && WgmmaStagesEpilogue(variant);
   g2.slot_route = slot_route_.as<int32_t>();
   if (absl::Status s = CudaStatus(
           LaunchExpertGemm(g2, launch, stream), "GEMM2");
@@ -425,7 +433,8 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   if (fold) return Mark(4, stream);
 
   ExpertCombineParams c;
-  c.y = y_.as<float>();
+  c.y = y_.get();
+  c.y_bf16 = g2.y_bf16;
   c.ids = batch.ids;
   c.weights = batch.weights;
   c.shared_mask = pro.shared_mask;

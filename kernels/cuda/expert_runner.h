@@ -149,6 +149,11 @@ class ExpertRunner {
   // Also the evict-first policy on tiled variant 8's weight copies (the items of 32+ tokens).
   // Off by default: measured equal (A 512: 759.1 vs 760.2 us, NOTES-cuda.md); a bench knob.
   void set_tiled_evict_first(bool on) { tiled_evict_first_ = on; }
+  // Batches on the wgmma kernel (its staged-epilogue variants): GEMM1 reads BF16 hidden rows of
+  // whole 64-element chunks in place instead of a staged copy (hidden_in_place), and GEMM2 writes
+  // y in BF16 for the combine (y_bf16; ExpertGemmParams::y_bf16). Both on by default; bench knobs.
+  void set_hidden_in_place(bool on) { hidden_in_place_ = on; }
+  void set_y_bf16(bool on) { y_bf16_ = on; }
 
  private:
   absl::Status Mark(int stage, cudaStream_t stream) const;
@@ -163,6 +168,8 @@ class ExpertRunner {
   int l2_prefetch_ = kAutoL2Prefetch;
   bool evict_first_ = true;
   bool tiled_evict_first_ = false;
+  bool hidden_in_place_ = true;
+  bool y_bf16_ = true;
   cudaEvent_t* stage_events_ = nullptr;
   DeviceBuffer x_staged_;
   DeviceBuffer slot_token_;
