@@ -67,6 +67,15 @@ struct ExpertPrologueParams {
   // GEMM2 CTA counts for them). Null otherwise.
   void* zero_unrouted_out = nullptr;  // [T, H] F32, or BF16 when zero_unrouted_bf16
   bool zero_unrouted_bf16 = false;
+  // Grouping by several blocks (big batches; LaunchExpertPrologue picks how many, up to
+  // kMaxGroupBlocks): each block counts a contiguous share of the routes, the last to finish
+  // scans the totals and cuts the items, and every block then scatters its share from its own
+  // per-slot bases. Scratch (null: one grouping block): group_scratch [2 + (kMaxGroupBlocks + 1)
+  // * slots] int32, zero before its first use (words 0-1: the blocks' arrival count, reset by the
+  // last block, and a generation the last block advances; then the slot offsets; then the
+  // per-block counts).
+  int32_t* group_scratch = nullptr;
+  int32_t group_blocks = 1;  // set by LaunchExpertPrologue (0 without group_routes)
   // Outputs.
   uint16_t* x_staged = nullptr;    // [T, hidden_chunks * 64] bf16, permuted per chunk, zero-padded
   int32_t* slot_token = nullptr;   // [routes] token of each grouped slot
@@ -77,6 +86,12 @@ struct ExpertPrologueParams {
 
 // Shared smem-bounded limit of the grouping block (counts, offsets, cursors per slot).
 inline constexpr int kMaxPrologueSlots = 4096;
+// Grouping blocks of one prologue at most, and the routes each takes at least.
+inline constexpr int kMaxGroupBlocks = 32;
+inline constexpr int kRoutesPerGroupBlock = 1024;
+inline size_t GroupScratchWords(int slots) {
+  return 2 + static_cast<size_t>(kMaxGroupBlocks + 1) * static_cast<size_t>(slots);
+}
 
 struct ExpertGemmParams {
   // Packed weights (repack.h layout), all expert slots back to back.

@@ -104,8 +104,26 @@ __device__ __forceinline__ void ForEachRoute(const int32_t* ids, int32_t routes,
   }
 }
 
-__device__ void GroupRoutes(const ExpertPrologueParams& p) {
+__device__ __forceinline__ uint32_t LoadAcquire(const int32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void StoreRelease(int32_t* p, uint32_t v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
+// Block b of the G grouping blocks: counts its share of the routes (and of the tokens, for the
+// shared experts), then, once every block's counts are in, scatters that share. With G = 1 the
+// block does everything in shared memory. With G > 1 (group_scratch set) the last block to
+// arrive scans the slot totals and cuts the items while the others wait for its generation
+// word; every block's cursors then start at the slot offset plus the counts of the blocks before
+// it. The blocks must run at the same time: at most kMaxGroupBlocks of them, launched first in the
+// grid (the staging blocks after them never wait).
+__device__ void GroupRoutes(const ExpertPrologueParams& p, int b, int G) {
   extern __shared__ int32_t smem[];
+  __shared__ uint32_t generation;
+  __shared__ bool last;
   const int slots = p.num_experts + p.num_shared;
   int32_t* count = smem;
   int32_t* offset = smem + slots;
@@ -116,39 +134,88 @@ __device__ void GroupRoutes(const ExpertPrologueParams& p) {
   // slot_route.
   const int32_t routes = p.tokens * p.top_k;
   const bool shared = p.num_shared > 0 && p.shared_mask != nullptr;
+  // This block's routes [r0, r1) (a multiple of 4 apart, so its ids stay 16-byte aligned) and
+  // tokens [t0, t1) for the shared experts.
+  const int32_t per = ((routes + G - 1) / G + 3) & ~3;
+  const int32_t r0 = min(routes, b * per), r1 = min(routes, r0 + per);
+  const int32_t per_token = (p.tokens + G - 1) / G;
+  const int32_t t0 = min(p.tokens, b * per_token), t1 = min(p.tokens, t0 + per_token);
+  int32_t* sync = p.group_scratch;  // [0] arrivals, [1] generation
+  int32_t* slot_offset = sync + 2;
+  int32_t* partial = slot_offset + slots;
 
+  if (G > 1 && tid == 0) generation = LoadAcquire(sync + 1);
   for (int e = tid; e < slots; e += kThreads) count[e] = 0;
   __syncthreads();
-  ForEachRoute(p.ids, routes, [&](int32_t, int id) {
+  ForEachRoute(p.ids + r0, r1 - r0, [&](int32_t, int id) {
     if (id >= 0) atomicAdd(&count[id], 1);
   });
   if (shared) {
-    for (int t = tid; t < p.tokens; t += kThreads) {
+    for (int t = t0 + tid; t < t1; t += kThreads) {
       if (p.shared_mask[t] != 0) {
         for (int s = 0; s < p.num_shared; ++s) atomicAdd(&count[p.num_experts + s], 1);
       }
     }
   }
   __syncthreads();
-  ScanSlots(count, slots, p.tile_tokens, offset, item_offset, warp_totals, p.num_items);
+  if (G > 1) {
+    for (int e = tid; e < slots; e += kThreads) partial[b * slots + e] = count[e];
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(sync, 1) == G - 1;
+    __syncthreads();
+    if (last) {
+      __threadfence();
+      for (int e = tid; e < slots; e += kThreads) {
+        int total = 0;
+        for (int q = 0; q < G; ++q) total += __ldcg(partial + q * slots + e);
+        count[e] = total;
+      }
+      __syncthreads();
+    }
+  }
+  if (G == 1 || last) {
+    ScanSlots(count, slots, p.tile_tokens, offset, item_offset, warp_totals, p.num_items);
+    __syncthreads();
+    for (int e = tid; e < slots; e += kThreads) {
+      const int n = count[e];
+      for (int i = 0, done = 0; done < n; ++i, done += p.tile_tokens) {
+        p.items[item_offset[e] + i] =
+            ExpertItem{e, offset[e] + done, min(p.tile_tokens, n - done), 0};
+      }
+      if (G > 1) slot_offset[e] = offset[e];
+    }
+    if (G > 1) {
+      __threadfence();
+      __syncthreads();
+      if (tid == 0) {
+        sync[0] = 0;  // every block has arrived; the next launch counts from zero
+        StoreRelease(sync + 1, generation + 1);
+      }
+    }
+  } else if (tid == 0) {
+    while (LoadAcquire(sync + 1) == generation) __nanosleep(64);
+  }
   __syncthreads();
-  for (int e = tid; e < slots; e += kThreads) {
-    const int n = count[e];
-    for (int i = 0, done = 0; done < n; ++i, done += p.tile_tokens) {
-      p.items[item_offset[e] + i] = ExpertItem{e, offset[e] + done, min(p.tile_tokens, n - done), 0};
+  // The write cursors: the slot's offset, plus (G > 1) the counts of the blocks before this one.
+  if (G == 1) {
+    for (int e = tid; e < slots; e += kThreads) count[e] = offset[e];
+  } else {
+    for (int e = tid; e < slots; e += kThreads) {
+      int base = __ldcg(slot_offset + e);
+      for (int q = 0; q < b; ++q) base += __ldcg(partial + q * slots + e);
+      count[e] = base;
     }
   }
   __syncthreads();
-  for (int e = tid; e < slots; e += kThreads) count[e] = offset[e];  // now the write cursors
-  __syncthreads();
-  ForEachRoute(p.ids, routes, [&](int32_t i, int id) {
+  ForEachRoute(p.ids + r0, r1 - r0, [&](int32_t i, int id) {
     if (id < 0) return;
     const int pos = atomicAdd(&count[id], 1);
-    p.slot_token[pos] = i / p.top_k;
-    p.slot_route[pos] = i;
+    p.slot_token[pos] = (r0 + i) / p.top_k;
+    p.slot_route[pos] = r0 + i;
   });
   if (shared) {
-    for (int t = tid; t < p.tokens; t += kThreads) {
+    for (int t = t0 + tid; t < t1; t += kThreads) {
       if (p.shared_mask[t] == 0) continue;
       for (int s = 0; s < p.num_shared; ++s) {
         const int pos = atomicAdd(&count[p.num_experts + s], 1);
@@ -226,23 +293,34 @@ __global__ void __launch_bounds__(kThreads) ExpertPrologueKernel(const ExpertPro
     if (p.zero_unrouted_out != nullptr) {
       ZeroUnroutedRows(p, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
     }
-  } else if (blockIdx.x == 0) {
-    GroupRoutes(p);
+  } else if (static_cast<int>(blockIdx.x) < p.group_blocks) {
+    GroupRoutes(p, static_cast<int>(blockIdx.x), p.group_blocks);
   } else {
-    if (p.stage_hidden) {
-      StageHidden(p, static_cast<int>(blockIdx.x) - 1, static_cast<int>(gridDim.x) - 1);
-    }
-    if (p.zero_unrouted_out != nullptr) {
-      ZeroUnroutedRows(p, static_cast<int>(blockIdx.x) - 1, static_cast<int>(gridDim.x) - 1);
-    }
+    const int block = static_cast<int>(blockIdx.x) - p.group_blocks;
+    const int blocks = static_cast<int>(gridDim.x) - p.group_blocks;
+    if (p.stage_hidden) StageHidden(p, block, blocks);
+    if (p.zero_unrouted_out != nullptr) ZeroUnroutedRows(p, block, blocks);
   }
 }
 
 }  // namespace
 
-cudaError_t LaunchExpertPrologue(const ExpertPrologueParams& p, cudaStream_t stream) {
-  const int slots = p.num_experts + p.num_shared;
-  if (slots <= 0 || slots > kMaxPrologueSlots || p.tile_tokens <= 0) return cudaErrorInvalidValue;
+cudaError_t LaunchExpertPrologue(const ExpertPrologueParams& given, cudaStream_t stream) {
+  const int slots = given.num_experts + given.num_shared;
+  if (slots <= 0 || slots > kMaxPrologueSlots || given.tile_tokens <= 0) {
+    return cudaErrorInvalidValue;
+  }
+  ExpertPrologueParams p = given;
+  // One grouping block per kRoutesPerGroupBlock routes, up to kMaxGroupBlocks, when the scratch
+  // for their meeting is there (problem A at 4096 tokens: one block took ~40 us for 16384 routes,
+  // bound by its shared-memory atomics and load latencies).
+  const int64_t routes = static_cast<int64_t>(p.tokens) * p.top_k;
+  p.group_blocks = !p.group_routes ? 0
+                   : p.group_scratch == nullptr
+                       ? 1
+                       : static_cast<int32_t>(std::clamp<int64_t>(
+                             (routes + kRoutesPerGroupBlock - 1) / kRoutesPerGroupBlock, 1,
+                             kMaxGroupBlocks));
   // Blocks besides the grouping block: enough for the staging (vectors of the rows), or, when
   // nothing is staged, one per 64 tokens for the unrouted rows' zeros, or none.
   const int64_t vectors =
@@ -259,7 +337,7 @@ cudaError_t LaunchExpertPrologue(const ExpertPrologueParams& p, cudaStream_t str
   const size_t smem = p.group_routes ? (3 * static_cast<size_t>(slots) + 1) * sizeof(int32_t) +
                                            kWarps * sizeof(int2)
                                      : 0;
-  const int64_t blocks = (p.group_routes ? 1 : 0) + staging_blocks;
+  const int64_t blocks = p.group_blocks + staging_blocks;
   ExpertPrologueKernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }

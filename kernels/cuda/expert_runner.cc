@@ -225,6 +225,16 @@ absl::Status ExpertRunner::Reserve(const DeviceExpertLayer& layer, const RoutePl
   for (const auto& w : wants) {
     if (absl::Status s = w.buf.Reserve(w.bytes); !s.ok()) return s;
   }
+  const size_t group_words = GroupScratchWords(layer.num_experts + layer.num_shared);
+  if (group_scratch_.size() < group_words * 4 || group_scratch_.get() == nullptr) {
+    if (absl::Status s = group_scratch_.Reserve(group_words * 4); !s.ok()) return s;
+    if (absl::Status s = CudaStatus(cudaMemset(group_scratch_.get(), 0, group_scratch_.size()),
+                                    "group scratch");
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = CudaStatus(cudaDeviceSynchronize(), "group scratch"); !s.ok()) return s;
+  }
   const size_t counters =
       static_cast<size_t>(plan.tokens) *
       static_cast<size_t>((layer.hidden + kFoldRowsPerBlock - 1) / kFoldRowsPerBlock) * 4;
@@ -326,6 +336,7 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   pro.slot_token = slot_token_.as<int32_t>();
   pro.slot_route = slot_route_.as<int32_t>();
   pro.items = items_.as<ExpertItem>();
+  pro.group_scratch = group_scratch_.as<int32_t>();
   pro.num_items = num_items_.as<int32_t>();
   pro.natural_order = wgmma;
   // The wgmma kernel reads B rows in natural order, so BF16 hidden rows of whole chunks serve as

@@ -178,6 +178,7 @@ class ExpertRunner {
   DeviceBuffer num_items_;
   DeviceBuffer act_;
   DeviceBuffer y_;
+  DeviceBuffer group_scratch_;  // ExpertPrologueParams::group_scratch, zero when allocated
   DeviceBuffer fold_counters_;  // zero between batches (the folded combine resets what it uses)
 };
 
