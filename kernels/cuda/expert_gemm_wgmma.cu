@@ -316,27 +316,31 @@ __device__ __forceinline__ void WgFinish(const ExpertGemmParams& p, const Expert
 // then whole token rows leave in coalesced 16-byte stores. Writing each value straight to global
 // memory (2 or 4 bytes per store; GEMM2 loading each token's y row index next to its store) kept
 // the SM's tensor cores idle for ~20% of the GEMM at 4096 tokens (NOTES-cuda.md). Row pitches
-// are padded so that the tile writes hit 32 distinct banks (act: 136 bf16, y: 260 floats).
+// are padded so that the tile writes hit distinct banks (act: 136 bf16, y: 260 floats or 264 bf16).
 constexpr int kWgActPitch = 128 + 8;  // bf16 per token of the act tile (128 columns)
-constexpr int kWgYPitch = 256 + 4;    // floats per token of the y tile (256 rows)
+constexpr int kWgYPitch = 256 + 4;    // floats per token of the F32 y tile (256 rows)
+constexpr int kWgYPitchBf16 = 256 + 8;  // bf16 per token of the BF16 y tile (y_bf16)
 constexpr uint32_t kWgStagedEpilogueBytes =
     kWgMaxTokens * kWgYPitch * sizeof(float) + kWgMaxTokens * sizeof(int32_t);
 
 extern __shared__ __align__(16) uint8_t wg_smem[];
 
-// Two floats as BF16 (round to nearest even), lo in the low half.
-__device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
+// ExpertGemmParams::l2_ahead_tiles: thread 0 copies the item of the tile to prefetch for here at
+// tile start (kept in shared memory: one more register live across the main loop makes ptxas
+// serialize the wgmma, C7512).
+__shared__ ExpertItem wg_ahead_item;
+__shared__ int32_t wg_ahead_tile;
+__shared__ int32_t wg_tiles;       // row_blocks x the device's item count
+__shared__ int32_t wg_row_blocks;
 
+// The staged epilogue. The caller has waited for every wgmma group and cp.async of the tile and
+// passed a CTA barrier (the ring is free). Each warp writes its tile into a [token][row] tile in
+// shared memory (pitches chosen so the writes spread over the banks); whole token rows then leave
+// in coalesced 16-byte stores.
 template <bool kGemm1, int kThreads, int N>
 __device__ __forceinline__ void WgFinishStaged(const ExpertGemmParams& p, const ExpertItem& item,
                                                int row_block, int slot, uint32_t smem_base,
                                                int lane, const float (&acc)[N / 2]) {
-  WgmmaWait<0>();
-  WgCpAsyncWait<0>();
-  __syncthreads();  // every warpgroup's wgmma has read its last stage
   uint8_t* smem = wg_smem + (smem_base - static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem)));
   const int tile = row_block * 16 + slot;
   const int g = lane >> 2, t = lane & 3;
@@ -358,73 +362,77 @@ __device__ __forceinline__ void WgFinishStaged(const ExpertGemmParams& p, const 
       const uint4 value = *reinterpret_cast<const uint4*>(act + col * kWgActPitch + v * 8);
       *reinterpret_cast<uint4*>(out + static_cast<int64_t>(col) * p.out_cols + v * 8) = value;
     }
-  } else {
-    float* y = reinterpret_cast<float*>(smem);
-    int32_t* routes = reinterpret_cast<int32_t*>(smem + kWgMaxTokens * kWgYPitch * sizeof(float));
-    for (int col = threadIdx.x; col < item.count; col += kThreads) {
-      routes[col] = p.slot_route[item.slot_begin + col];
-    }
-    const float scale = p.ep_scale[item.expert * 3 + 2];
+    return;
+  }
+  const uint32_t tile_bytes = p.y_bf16 ? kWgMaxTokens * kWgYPitchBf16 * sizeof(uint16_t)
+                                       : kWgMaxTokens * kWgYPitch * sizeof(float);
+  int32_t* routes = reinterpret_cast<int32_t*>(smem + tile_bytes);
+  for (int col = threadIdx.x; col < item.count; col += kThreads) {
+    routes[col] = p.slot_route[item.slot_begin + col];
+  }
+  const float scale = p.ep_scale[item.expert * 3 + 2];
+  float* y = reinterpret_cast<float*>(smem);
+  uint16_t* yb = reinterpret_cast<uint16_t*>(smem);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = slot * kTileRows + g + 8 * half;
-      const int h = row_block * 256 + r;
-      const float bias =
-          h < p.out_valid ? p.bias_a[static_cast<int64_t>(item.expert) * p.out_valid + h] : 0.f;
+  for (int half = 0; half < 2; ++half) {
+    const int r = slot * kTileRows + g + 8 * half;
+    const int h = row_block * 256 + r;
+    const float bias =
+        h < p.out_valid ? p.bias_a[static_cast<int64_t>(item.expert) * p.out_valid + h] : 0.f;
 #pragma unroll
-      for (int q = 0; q < N / 8; ++q) {
+    for (int q = 0; q < N / 8; ++q) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int col = q * kTileTokens + 2 * t + e;
-          if (col < item.count) y[col * kWgYPitch + r] = acc[4 * q + 2 * half + e] * scale + bias;
+      for (int e = 0; e < 2; ++e) {
+        const int col = q * kTileTokens + 2 * t + e;
+        if (col >= item.count) continue;
+        const float value = acc[4 * q + 2 * half + e] * scale + bias;
+        if (p.y_bf16) {
+          yb[col * kWgYPitchBf16 + r] = __bfloat16_as_ushort(__float2bfloat16_rn(value));
+        } else {
+          y[col * kWgYPitch + r] = value;
         }
       }
     }
-    __syncthreads();
-    const int rows = min(256, p.out_valid - row_block * 256);
-    const bool aligned = (reinterpret_cast<uintptr_t>(p.y_out) & 15) == 0;
-    if (p.y_bf16) {
-      uint16_t* out = reinterpret_cast<uint16_t*>(p.y_out) + row_block * 256;
-      if ((rows & 7) == 0 && (p.out_cols & 7) == 0 && aligned) {
-        const int vectors = rows / 8;  // 8 rows per 16-byte store
-        for (int idx = threadIdx.x; idx < item.count * 32; idx += kThreads) {
-          const int col = idx >> 5, v = idx & 31;
-          if (v >= vectors) continue;
-          const float4 lo = *reinterpret_cast<const float4*>(y + col * kWgYPitch + v * 8);
-          const float4 hi = *reinterpret_cast<const float4*>(y + col * kWgYPitch + v * 8 + 4);
-          const uint4 value = make_uint4(PackBf16x2(lo.x, lo.y), PackBf16x2(lo.z, lo.w),
-                                         PackBf16x2(hi.x, hi.y), PackBf16x2(hi.z, hi.w));
-          *reinterpret_cast<uint4*>(out + static_cast<int64_t>(routes[col]) * p.out_cols + v * 8) =
-              value;
-        }
-      } else {
-        for (int idx = threadIdx.x; idx < item.count * 256; idx += kThreads) {
-          const int col = idx >> 8, r = idx & 255;
-          if (r < rows) {
-            out[static_cast<int64_t>(routes[col]) * p.out_cols + r] =
-                __bfloat16_as_ushort(__float2bfloat16_rn(y[col * kWgYPitch + r]));
-          }
-        }
-      }
-      return;
-    }
-    float* out = p.y_out + row_block * 256;
-    const bool vector = (rows & 3) == 0 && (p.out_cols & 3) == 0 && aligned;
-    if (vector) {
-      const int vectors = rows / 4;
-      for (int idx = threadIdx.x; idx < item.count * 64; idx += kThreads) {
-        const int col = idx >> 6, v = idx & 63;
+  }
+  __syncthreads();
+  const int rows = min(256, p.out_valid - row_block * 256);
+  const bool aligned = (reinterpret_cast<uintptr_t>(p.y_out) & 15) == 0;
+  if (p.y_bf16) {
+    uint16_t* out = reinterpret_cast<uint16_t*>(p.y_out) + row_block * 256;
+    if ((rows & 7) == 0 && (p.out_cols & 7) == 0 && aligned) {
+      const int vectors = rows / 8;  // 8 rows per 16-byte store
+      for (int idx = threadIdx.x; idx < item.count * 32; idx += kThreads) {
+        const int col = idx >> 5, v = idx & 31;
         if (v >= vectors) continue;
-        const float4 value = *reinterpret_cast<const float4*>(y + col * kWgYPitch + v * 4);
-        *reinterpret_cast<float4*>(out + static_cast<int64_t>(routes[col]) * p.out_cols + v * 4) =
+        const uint4 value = *reinterpret_cast<const uint4*>(yb + col * kWgYPitchBf16 + v * 8);
+        *reinterpret_cast<uint4*>(out + static_cast<int64_t>(routes[col]) * p.out_cols + v * 8) =
             value;
       }
     } else {
       for (int idx = threadIdx.x; idx < item.count * 256; idx += kThreads) {
         const int col = idx >> 8, r = idx & 255;
         if (r < rows) {
-          out[static_cast<int64_t>(routes[col]) * p.out_cols + r] = y[col * kWgYPitch + r];
+          out[static_cast<int64_t>(routes[col]) * p.out_cols + r] = yb[col * kWgYPitchBf16 + r];
         }
+      }
+    }
+    return;
+  }
+  float* out = p.y_out + row_block * 256;
+  if ((rows & 3) == 0 && (p.out_cols & 3) == 0 && aligned) {
+    const int vectors = rows / 4;
+    for (int idx = threadIdx.x; idx < item.count * 64; idx += kThreads) {
+      const int col = idx >> 6, v = idx & 63;
+      if (v >= vectors) continue;
+      const float4 value = *reinterpret_cast<const float4*>(y + col * kWgYPitch + v * 4);
+      *reinterpret_cast<float4*>(out + static_cast<int64_t>(routes[col]) * p.out_cols + v * 4) =
+          value;
+    }
+  } else {
+    for (int idx = threadIdx.x; idx < item.count * 256; idx += kThreads) {
+      const int col = idx >> 8, r = idx & 255;
+      if (r < rows) {
+        out[static_cast<int64_t>(routes[col]) * p.out_cols + r] = y[col * kWgYPitch + r];
       }
     }
   }
@@ -542,6 +550,16 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const Exp
   for (int st = 0; st < SW - 2 && st < n; ++st) {
     wl.Load(code_base + st * kCodeStage, scale_base + st * kScaleStage, st);
   }
+  // L2 ahead: thread 0 (which wrote wg_tiles and wg_row_blocks) copies the item of the tile it
+  // will prefetch for, in the cp.async group of B(0), so it is in shared memory by the epilogue.
+  if (p.l2_ahead_tiles > 0 && threadIdx.x == 0) {
+    const int ahead = static_cast<int>(blockIdx.x) + p.l2_ahead_tiles;
+    wg_ahead_tile = ahead;
+    if (ahead < wg_tiles) {
+      WgCpAsync16(static_cast<uint32_t>(__cvta_generic_to_shared(&wg_ahead_item)),
+                  p.items + ahead / wg_row_blocks);
+    }
+  }
   if constexpr (!kGemm1) {
     WaitForPrerequisites();
     AllowDependents();
@@ -597,6 +615,30 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const Exp
     wstage = wstage == SW - 1 ? 0 : wstage + 1;
   }
   static_assert(MB == 1 && WgSmemBytes<Fmt, V>() >= kWgStagedEpilogueBytes + 1024);
+  WgmmaWait<0>();
+  WgCpAsyncWait<0>();
+  __syncthreads();  // every warpgroup's wgmma has read its last stage; the ahead item has landed
+  // L2 ahead: warp 0 asks L2 for the first weight stages of the tile likely to start on an SM
+  // when this CTA ends (one resident CTA per SM, CTAs start in index order), so that its first
+  // loads, which nothing overlaps, hit L2 instead of DRAM. 16 lanes take a weight tile's codes,
+  // 16 its scales (both contiguous over the first chunks in the repack.h layout).
+  if (p.l2_ahead_tiles > 0 && warp == 0 && wg_ahead_tile < wg_tiles) {
+    const ExpertItem ahead = wg_ahead_item;
+    const int tile = (wg_ahead_tile % wg_row_blocks) * Cfg::kCtaTiles + (lane & 15);
+    const int chunks = min(n, SW - 2);
+    if (tile < p.tiles) {
+      const int64_t first = static_cast<int64_t>(tile) * p.chunks;
+      if (lane < 16) {
+        BulkPrefetchL2(static_cast<const uint4*>(p.values) + ahead.expert * p.values_expert_stride +
+                           first * kWarpLanes,
+                       chunks * kChunkBytes);
+      } else {
+        BulkPrefetchL2(static_cast<const Scale*>(p.scales) + ahead.expert * p.scales_expert_stride +
+                           first * 8,
+                       chunks * 8 * static_cast<int>(sizeof(Scale)));
+      }
+    }
+  }
   WgFinishStaged<kGemm1, Cfg::kThreads, N>(p, item, row_block, slot_base, smem_base, lane, acc[0]);
 }
 
@@ -610,17 +652,16 @@ __device__ __forceinline__ void WgRun(const ExpertGemmParams& p, const ExpertIte
   }
 }
 
-// blockIdx.x = row block + row_blocks * item, as in the other GEMM kernels, and the same
-// programmatic launch protocol (GEMM1 waits first; GEMM2 issues its first weight loads, then
-// waits).
-template <class Fmt, bool kGemm1, int V>
-__global__ void __launch_bounds__(WgConfig<V>::kThreads, 1)
-    WgmmaGemmKernel(const ExpertGemmParams p, int row_blocks) {
-    ExpertItem item;
-  int row_block;
-  if (!BlockItem<kGemm1>(p, row_blocks, item, row_block)) return;  // whole CTA
+// The dynamic shared memory, 1024-byte aligned (the 128-byte swizzle's pattern repeats there).
+__device__ __forceinline__ uint32_t WgSmemBase() {
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem));
-  const uint32_t smem_base = (raw + 1023u) & ~1023u;
+  return (raw + 1023u) & ~1023u;
+}
+
+// The body for the item's width.
+template <class Fmt, bool kGemm1, int V>
+__device__ __forceinline__ void WgDispatch(const ExpertGemmParams& p, const ExpertItem& item,
+                                           int row_block, uint32_t smem_base) {
   if (item.count <= 32) {
     WgRun<Fmt, kGemm1, V, 32>(p, item, row_block, smem_base);
   } else if (item.count <= 64) {
@@ -640,6 +681,22 @@ __global__ void __launch_bounds__(WgConfig<V>::kThreads, 1)
   } else {
     WgRun<Fmt, kGemm1, V, 144>(p, item, row_block, smem_base);
   }
+}
+
+// blockIdx.x = row block + row_blocks * item, as in the other GEMM kernels, and the same
+// programmatic launch protocol (GEMM1 waits first; GEMM2 issues its first weight loads, then
+// waits).
+template <class Fmt, bool kGemm1, int V>
+__global__ void __launch_bounds__(WgConfig<V>::kThreads, 1)
+    WgmmaGemmKernel(const ExpertGemmParams p, int row_blocks) {
+  ExpertItem item;
+  int row_block;
+  if (!BlockItem<kGemm1>(p, row_blocks, item, row_block)) return;  // whole CTA
+  if (threadIdx.x == 0) {  // read by thread 0 only until the first barrier
+    wg_tiles = row_blocks * *p.num_items;
+    wg_row_blocks = row_blocks;
+  }
+  WgDispatch<Fmt, kGemm1, V>(p, item, row_block, WgSmemBase());
 }
 
 using WgKernel = void (*)(ExpertGemmParams, int);
@@ -665,6 +722,24 @@ WgLaunchEntry WgLookup(int v, int nv, int gemm2) {
   return v == 1   ? WgEntryOf<1>(nv, gemm2)
          : v == 2 ? WgEntryOf<2>(nv, gemm2)
                   : WgEntryOf<0>(nv, gemm2);
+}
+
+// The current device's SM count, looked up once per device.
+cudaError_t MultiprocessorCount(int* sms) {
+  static std::atomic<int> counts[64] = {};
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (device < 0 || device >= 64) {
+    return cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+  }
+  *sms = counts[device].load(std::memory_order_relaxed);
+  if (*sms > 0) return cudaSuccess;
+  if (cudaError_t e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+      e != cudaSuccess) {
+    return e;
+  }
+  counts[device].store(*sms, std::memory_order_relaxed);
+  return cudaSuccess;
 }
 
 // Devices whose kernels already allow their (WgSmemBytes) dynamic shared memory (bit per device).
@@ -702,6 +777,10 @@ cudaError_t LaunchWgmmaGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
   const int64_t row_blocks = (rows + e.rows - 1) / e.rows;
   const int64_t blocks = row_blocks * launch.num_items;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  ExpertGemmParams q = p;
+  if (q.l2_ahead_tiles < 0) {  // one resident CTA per SM (its shared memory and registers)
+    if (cudaError_t err = MultiprocessorCount(&q.l2_ahead_tiles); err != cudaSuccess) return err;
+  }
   const WgKernel kernel = e.kernel;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(blocks));
@@ -713,7 +792,7 @@ cudaError_t LaunchWgmmaGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
   config.numAttrs = launch.programmatic ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, p, static_cast<int>(row_blocks));
+  return cudaLaunchKernelEx(&config, kernel, q, static_cast<int>(row_blocks));
 }
 
 }  // namespace moe::cuda::detail

@@ -121,6 +121,11 @@ struct ExpertGemmParams {
   // holds BF16 values (rounded to nearest even, same row pitch in elements) instead of F32,
   // which halves the y bytes GEMM2 writes and the combine reads.
   bool y_bf16 = false;
+  // The wgmma kernel's variant 0: before its epilogue, each CTA asks L2 for the first weight
+  // stages of tile blockIdx.x + l2_ahead_tiles, the tile likely to start when it ends, whose
+  // first loads nothing overlaps. -1: the device's SM count (one resident CTA per SM); 0: off.
+  // A hint only: results do not depend on it.
+  int32_t l2_ahead_tiles = 0;
   const int32_t* slot_route = nullptr;  // GEMM2: y row of each slot
   // Direct routes (no grouping; for batches where no expert slot has more than one route): when
   // direct_ids is set, item i is route i of the y rows (t*K+k, then T*K + s*T + t for shared

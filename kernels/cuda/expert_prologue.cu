@@ -323,10 +323,9 @@ cudaError_t LaunchExpertPrologue(const ExpertPrologueParams& given, cudaStream_t
                              kMaxGroupBlocks));
   // Blocks besides the grouping block: enough for the staging (vectors of the rows), or, when
   // nothing is staged, one per 64 tokens for the unrouted rows' zeros, or none.
-  const int64_t vectors =
-      p.stage_hidden
-          ? static_cast<int64_t>(p.hidden_chunks) * kActChunkVectors * static_cast<int64_t>(p.tokens)
-          : 0;
+  const int64_t vectors = p.stage_hidden ? static_cast<int64_t>(p.hidden_chunks) *
+                                               kActChunkVectors * static_cast<int64_t>(p.tokens)
+                                         : 0;
   int64_t staging_blocks =
       vectors == 0 ? 1 : std::min<int64_t>(kMaxStagingBlocks, (vectors + kThreads - 1) / kThreads);
   if (!p.stage_hidden) {

@@ -345,6 +345,7 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
       wgmma && hidden_in_place_ && batch.hidden_bf16 && layer.hidden == layer.hidden_chunks * 64 &&
       reinterpret_cast<uintptr_t>(batch.hidden) % 16 == 0;
   pro.stage_hidden = !hidden_in_place;
+  const bool l2_ahead = wgmma && wgmma_l2_ahead_ && WgmmaStagesEpilogue(variant);
   if (absl::Status s = CudaStatus(LaunchExpertPrologue(pro, stream), "expert prologue");
       !s.ok()) {
     return s;
@@ -370,6 +371,7 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   g1.b_rows = hidden_in_place ? static_cast<const uint16_t*>(batch.hidden)
                               : x_staged_.as<uint16_t>();
   g1.b_row_of_slot = slot_token_.as<int32_t>();
+  if (l2_ahead) g1.l2_ahead_tiles = -1;
   g1.bias_a = layer.bias_gate.as<float>();
   g1.bias_b = layer.bias_up.as<float>();
   g1.out_valid = static_cast<int32_t>(layer.inter);
@@ -434,6 +436,7 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   g2.out_cols = static_cast<int32_t>(layer.hidden);
   g2.y_out = y_.as<float>();
   g2.y_bf16 = wgmma && y_bf16_ && WgmmaStagesEpilogue(variant);
+  g2.l2_ahead_tiles = g1.l2_ahead_tiles;
   g2.slot_route = slot_route_.as<int32_t>();
   if (absl::Status s = CudaStatus(
           LaunchExpertGemm(g2, launch, stream), "GEMM2");

@@ -154,6 +154,9 @@ class ExpertRunner {
   // y in BF16 for the combine (y_bf16; ExpertGemmParams::y_bf16). Both on by default; bench knobs.
   void set_hidden_in_place(bool on) { hidden_in_place_ = on; }
   void set_y_bf16(bool on) { y_bf16_ = on; }
+  // Batches on the wgmma kernel's variant 0: ExpertGemmParams::l2_ahead_tiles = the SM count
+  // (on by default; a bench knob).
+  void set_wgmma_l2_ahead(bool on) { wgmma_l2_ahead_ = on; }
 
  private:
   absl::Status Mark(int stage, cudaStream_t stream) const;
@@ -170,6 +173,7 @@ class ExpertRunner {
   bool tiled_evict_first_ = false;
   bool hidden_in_place_ = true;
   bool y_bf16_ = true;
+  bool wgmma_l2_ahead_ = true;
   cudaEvent_t* stage_events_ = nullptr;
   DeviceBuffer x_staged_;
   DeviceBuffer slot_token_;
