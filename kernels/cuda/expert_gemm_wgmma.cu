@@ -316,7 +316,8 @@ __device__ __forceinline__ void WgFinish(const ExpertGemmParams& p, const Expert
 // then whole token rows leave in coalesced 16-byte stores. Writing each value straight to global
 // memory (2 or 4 bytes per store; GEMM2 loading each token's y row index next to its store) kept
 // the SM's tensor cores idle for ~20% of the GEMM at 4096 tokens (NOTES-cuda.md). Row pitches
-// are padded so that the tile writes hit distinct banks (act: 136 bf16, y: 260 floats or 264 bf16).
+// are padded so that the tile writes hit distinct banks (act: 136 bf16, y: 260 floats or 264
+// bf16).
 constexpr int kWgActPitch = 128 + 8;  // bf16 per token of the act tile (128 columns)
 constexpr int kWgYPitch = 256 + 4;    // floats per token of the F32 y tile (256 rows)
 constexpr int kWgYPitchBf16 = 256 + 8;  // bf16 per token of the BF16 y tile (y_bf16)
