@@ -46,7 +46,7 @@ ABSL_FLAG(int, variant, -1,
 ABSL_FLAG(std::string, extras, "",
           "comma-separated names of the extra configurations to time (empty: all), the wgmma "
           "points' ones included (mma_sync_no_wgmma, wgmma_variant1, wgmma_variant2, "
-          "wgmma_hidden_staged, wgmma_y_f32, wgmma_no_l2_ahead, wgmma_staged_y_f32); a name "
+          "wgmma_hidden_staged, wgmma_y_f32, wgmma_l2_ahead, wgmma_staged_y_f32); a name "
           "that matches none (e.g. none) times none");
 ABSL_FLAG(int, extras_max_tokens, 1 << 30,
           "up to this token count also time GEMM variants 1..3 (and launches without PDL up to "
@@ -327,10 +327,10 @@ int Main() {
         time_with_stages("wgmma_y_f32");
         runner.set_y_bf16(true);
       }
-      if (is_wanted("wgmma_no_l2_ahead")) {
-        runner.set_wgmma_l2_ahead(false);
-        time_with_stages("wgmma_no_l2_ahead");
+      if (is_wanted("wgmma_l2_ahead")) {  // off by default (ExpertRunner::set_wgmma_l2_ahead)
         runner.set_wgmma_l2_ahead(true);
+        time_with_stages("wgmma_l2_ahead");
+        runner.set_wgmma_l2_ahead(false);
       }
       if (is_wanted("wgmma_staged_y_f32")) {  // both off: the form before they existed
         runner.set_hidden_in_place(false);

@@ -154,8 +154,9 @@ class ExpertRunner {
   // y in BF16 for the combine (y_bf16; ExpertGemmParams::y_bf16). Both on by default; bench knobs.
   void set_hidden_in_place(bool on) { hidden_in_place_ = on; }
   void set_y_bf16(bool on) { y_bf16_ = on; }
-  // Batches on the wgmma kernel's variant 0: ExpertGemmParams::l2_ahead_tiles = the SM count
-  // (on by default; a bench knob).
+  // Batches on the wgmma kernel's variant 0: ExpertGemmParams::l2_ahead_tiles = the SM count.
+  // Off by default, a bench knob: measured 3.5% slower at problem C 512 (249.5 vs 241.0 us) and
+  // within the noise at A 4096 / 8192 (NOTES-cuda.md).
   void set_wgmma_l2_ahead(bool on) { wgmma_l2_ahead_ = on; }
 
  private:
@@ -173,7 +174,7 @@ class ExpertRunner {
   bool tiled_evict_first_ = false;
   bool hidden_in_place_ = true;
   bool y_bf16_ = true;
-  bool wgmma_l2_ahead_ = true;
+  bool wgmma_l2_ahead_ = false;
   cudaEvent_t* stage_events_ = nullptr;
   DeviceBuffer x_staged_;
   DeviceBuffer slot_token_;
