@@ -1,7 +1,8 @@
-// Expert prologue (see expert_kernels.h): one launch whose block 0 groups the routes by expert
-// slot and cuts each slot's tokens into items of tile_tokens, while the other blocks stage the
-// hidden states as bf16 rows permuted per 64-element chunk (fp4_fragment.h ActPermIndex),
-// zero-padded to whole chunks. Merging the two saves a launch at decode sizes.
+// Expert prologue (see expert_kernels.h): one launch whose first blocks (one, or up to
+// kMaxGroupBlocks for big batches) group the routes by expert slot and cut each slot's tokens
+// into items of tile_tokens, while the other blocks stage the hidden states as bf16 rows permuted
+// per 64-element chunk (fp4_fragment.h ActPermIndex), zero-padded to whole chunks, unless GEMM1
+// reads them in place (stage_hidden). Merging the two saves a launch at decode sizes.
 //
 // Slot positions inside one expert come from shared-memory atomics, so their order may differ
 // between runs; no result depends on it (every route's GEMM column is computed independently and
