@@ -68,6 +68,9 @@ class CudaExpertBackend final : public ExpertBackend {
     runner_.set_direct_routes(options.direct_routes);
     runner_.set_l2_prefetch(options.l2_prefetch);
     runner_.set_fold_grouped(options.fold_grouped);
+    runner_.set_hidden_in_place(options.wgmma_byte_savers);
+    runner_.set_y_bf16(options.wgmma_byte_savers);
+    runner_.set_wgmma_l2_ahead(options.wgmma_l2_ahead);
     if (options_.upload_threads <= 0) {
       options_.upload_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     }

@@ -36,6 +36,11 @@ struct CudaBackendOptions {
   int l2_prefetch = -1;
   // Fold the combine into GEMM2 with grouped routes too (ExpertRunner::set_fold_grouped).
   bool fold_grouped = false;
+  // wgmma batches: BF16 hidden rows read in place and y in BF16 (ExpertRunner::set_hidden_in_place,
+  // set_y_bf16; false: both off, the staged copy and F32 y), and the L2 prefetch of the next
+  // tile's weights (ExpertRunner::set_wgmma_l2_ahead). Tests cover every form.
+  bool wgmma_byte_savers = true;
+  bool wgmma_l2_ahead = false;
 };
 
 // FAILED_PRECONDITION with the reason when the binary has no CUDA or no device is present.

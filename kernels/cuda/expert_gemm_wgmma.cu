@@ -334,6 +334,36 @@ __shared__ int32_t wg_ahead_tile;
 __shared__ int32_t wg_tiles;       // row_blocks x the device's item count
 __shared__ int32_t wg_row_blocks;
 
+// GEMM2's staged epilogue, second half: the y tile (element T, kPitch per token, 256 rows) goes
+// to the item's y rows as whole 16-byte vectors (8 BF16 or 4 F32 rows per store) when the rows
+// allow, else element by element.
+template <class T, int kPitch, int kThreads>
+__device__ __forceinline__ void StoreYTile(const ExpertGemmParams& p, const ExpertItem& item,
+                                           const T* tile, const int32_t* routes, int row_block,
+                                           int rows) {
+  constexpr int kPerVector = 16 / static_cast<int>(sizeof(T));
+  constexpr int kVectorsPerToken = 256 / kPerVector;
+  T* out = reinterpret_cast<T*>(p.y_out) + row_block * 256;
+  if (rows % kPerVector == 0 && p.out_cols % kPerVector == 0 &&
+      (reinterpret_cast<uintptr_t>(p.y_out) & 15) == 0) {
+    const int vectors = rows / kPerVector;
+    for (int idx = threadIdx.x; idx < item.count * kVectorsPerToken; idx += kThreads) {
+      const int col = idx / kVectorsPerToken, v = idx % kVectorsPerToken;
+      if (v >= vectors) continue;
+      const uint4 value = *reinterpret_cast<const uint4*>(tile + col * kPitch + v * kPerVector);
+      *reinterpret_cast<uint4*>(out + static_cast<int64_t>(routes[col]) * p.out_cols +
+                                v * kPerVector) = value;
+    }
+  } else {
+    for (int idx = threadIdx.x; idx < item.count * 256; idx += kThreads) {
+      const int col = idx >> 8, r = idx & 255;
+      if (r < rows) {
+        out[static_cast<int64_t>(routes[col]) * p.out_cols + r] = tile[col * kPitch + r];
+      }
+    }
+  }
+}
+
 // The staged epilogue. The caller has waited for every wgmma group and cp.async of the tile and
 // passed a CTA barrier (the ring is free). Each warp writes its tile into a [token][row] tile in
 // shared memory (pitches chosen so the writes spread over the banks); whole token rows then leave
@@ -397,45 +427,10 @@ __device__ __forceinline__ void WgFinishStaged(const ExpertGemmParams& p, const 
   }
   __syncthreads();
   const int rows = min(256, p.out_valid - row_block * 256);
-  const bool aligned = (reinterpret_cast<uintptr_t>(p.y_out) & 15) == 0;
   if (p.y_bf16) {
-    uint16_t* out = reinterpret_cast<uint16_t*>(p.y_out) + row_block * 256;
-    if ((rows & 7) == 0 && (p.out_cols & 7) == 0 && aligned) {
-      const int vectors = rows / 8;  // 8 rows per 16-byte store
-      for (int idx = threadIdx.x; idx < item.count * 32; idx += kThreads) {
-        const int col = idx >> 5, v = idx & 31;
-        if (v >= vectors) continue;
-        const uint4 value = *reinterpret_cast<const uint4*>(yb + col * kWgYPitchBf16 + v * 8);
-        *reinterpret_cast<uint4*>(out + static_cast<int64_t>(routes[col]) * p.out_cols + v * 8) =
-            value;
-      }
-    } else {
-      for (int idx = threadIdx.x; idx < item.count * 256; idx += kThreads) {
-        const int col = idx >> 8, r = idx & 255;
-        if (r < rows) {
-          out[static_cast<int64_t>(routes[col]) * p.out_cols + r] = yb[col * kWgYPitchBf16 + r];
-        }
-      }
-    }
-    return;
-  }
-  float* out = p.y_out + row_block * 256;
-  if ((rows & 3) == 0 && (p.out_cols & 3) == 0 && aligned) {
-    const int vectors = rows / 4;
-    for (int idx = threadIdx.x; idx < item.count * 64; idx += kThreads) {
-      const int col = idx >> 6, v = idx & 63;
-      if (v >= vectors) continue;
-      const float4 value = *reinterpret_cast<const float4*>(y + col * kWgYPitch + v * 4);
-      *reinterpret_cast<float4*>(out + static_cast<int64_t>(routes[col]) * p.out_cols + v * 4) =
-          value;
-    }
+    StoreYTile<uint16_t, kWgYPitchBf16, kThreads>(p, item, yb, routes, row_block, rows);
   } else {
-    for (int idx = threadIdx.x; idx < item.count * 256; idx += kThreads) {
-      const int col = idx >> 8, r = idx & 255;
-      if (r < rows) {
-        out[static_cast<int64_t>(routes[col]) * p.out_cols + r] = y[col * kWgYPitch + r];
-      }
-    }
+    StoreYTile<float, kWgYPitch, kThreads>(p, item, y, routes, row_block, rows);
   }
 }
 

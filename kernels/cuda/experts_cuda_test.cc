@@ -41,13 +41,17 @@ struct BackendCase {
   int wgmma_min_tokens;  // 0: off, 1: always, -1: the runner's default
   int l2_prefetch = -1;  // bulk-copy variants 8..13: ExpertRunner::set_l2_prefetch
   bool fold_grouped = false;  // ExpertRunner::set_fold_grouped
+  bool byte_savers = true;    // CudaBackendOptions::wgmma_byte_savers
+  bool l2_ahead = false;      // CudaBackendOptions::wgmma_l2_ahead
 };
 const BackendCase kBackendCases[] = {
     {0, true, 0},  {1, true, 0},  {2, true, 0},  {3, true, 0},        {4, true, 0},
     {5, true, 0},  {6, true, 0},  {7, true, 0},  {8, true, 0},        {9, true, 0},
     {10, true, 0}, {11, true, 0}, {12, true, 0}, {13, true, 0},       {0, false, 0},
     {4, false, 0}, {12, false, 0}, {12, false, 0, -1, true},          {10, true, 0, 7},
-    {0, true, 1},  {1, true, 1},  {2, true, 1},  {-1, true, -1}};
+    {0, true, 1},  {1, true, 1},  {2, true, 1},  {-1, true, -1},
+    // wgmma variant 0 with the hidden rows staged and y in F32, and with L2 ahead.
+    {0, true, 1, -1, false, false}, {0, true, 1, -1, false, true, true}};
 
 struct LayerCase {
   std::string name;
@@ -224,7 +228,7 @@ class ExpertsCudaTest : public ::testing::TestWithParam<LayerCase> {
   void SetUp() override {
     std::string why;
     if (cuda::DeviceCount(&why) == 0) GTEST_SKIP() << why;
-    static_assert(sizeof(kBackendCases) / sizeof(kBackendCases[0]) == kGemmVariants + 9);
+    static_assert(sizeof(kBackendCases) / sizeof(kBackendCases[0]) == kGemmVariants + 11);
     for (const BackendCase& bc : kBackendCases) {
       CudaBackendOptions options;
       options.poison_scratch = true;
@@ -233,6 +237,8 @@ class ExpertsCudaTest : public ::testing::TestWithParam<LayerCase> {
       options.wgmma_min_tokens = bc.wgmma_min_tokens;
       options.l2_prefetch = bc.l2_prefetch;
       options.fold_grouped = bc.fold_grouped;
+      options.wgmma_byte_savers = bc.byte_savers;
+      options.wgmma_l2_ahead = bc.l2_ahead;
       absl::StatusOr<std::unique_ptr<ExpertBackend>> b = MakeCudaExpertBackend(options);
       ASSERT_TRUE(b.ok()) << b.status();
       backends_.push_back(*std::move(b));
@@ -291,6 +297,8 @@ TEST_P(ExpertsCudaTest, MatchesReference) {
                   kBackendCases[variant].variant, kBackendCases[variant].direct ? "d" : "g",
                   kBackendCases[variant].l2_prefetch >= 0      ? "p"
                   : kBackendCases[variant].fold_grouped ? "f"
+                  : !kBackendCases[variant].byte_savers ? "o"
+                  : kBackendCases[variant].l2_ahead     ? "a"
                                                         : "",
                   static_cast<long long>(tokens), rel,
                   static_cast<long long>(nans), static_cast<unsigned long long>(seed));
