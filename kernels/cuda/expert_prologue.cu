@@ -322,7 +322,7 @@ cudaError_t LaunchExpertPrologue(const ExpertPrologueParams& given, cudaStream_t
                        : static_cast<int32_t>(std::clamp<int64_t>(
                              (routes + kRoutesPerGroupBlock - 1) / kRoutesPerGroupBlock, 1,
                              kMaxGroupBlocks));
-  // Blocks besides the grouping block: enough for the staging (vectors of the rows), or, when
+  // Blocks besides the grouping blocks: enough for the staging (vectors of the rows), or, when
   // nothing is staged, one per 64 tokens for the unrouted rows' zeros, or none.
   const int64_t vectors = p.stage_hidden ? static_cast<int64_t>(p.hidden_chunks) *
                                                kActChunkVectors * static_cast<int64_t>(p.tokens)

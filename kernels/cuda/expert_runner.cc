@@ -206,6 +206,20 @@ absl::StatusOr<std::unique_ptr<DeviceExpertLayer>> UploadExpertLayer(const Exper
   return d;
 }
 
+namespace {
+
+// Grows `buf` to `bytes` when it is smaller (or unallocated) and zeroes the new allocation; the
+// kernels keep what they use of it at zero from then on.
+absl::Status ReserveZeroed(DeviceBuffer& buf, size_t bytes, const char* what) {
+  if (buf.size() >= bytes && buf.get() != nullptr) return absl::OkStatus();
+  if (absl::Status s = buf.Reserve(bytes); !s.ok()) return s;
+  if (absl::Status s = CudaStatus(cudaMemset(buf.get(), 0, buf.size()), what); !s.ok()) return s;
+  // cudaMemset runs on the legacy stream; the runner's stream may not wait for it.
+  return CudaStatus(cudaDeviceSynchronize(), what);
+}
+
+}  // namespace
+
 absl::Status ExpertRunner::Reserve(const DeviceExpertLayer& layer, const RoutePlan& plan) {
   const size_t routes = static_cast<size_t>(std::max<int64_t>(plan.slotted_routes, 1));
   const struct {
@@ -226,27 +240,14 @@ absl::Status ExpertRunner::Reserve(const DeviceExpertLayer& layer, const RoutePl
     if (absl::Status s = w.buf.Reserve(w.bytes); !s.ok()) return s;
   }
   const size_t group_words = GroupScratchWords(layer.num_experts + layer.num_shared);
-  if (group_scratch_.size() < group_words * 4 || group_scratch_.get() == nullptr) {
-    if (absl::Status s = group_scratch_.Reserve(group_words * 4); !s.ok()) return s;
-    if (absl::Status s = CudaStatus(cudaMemset(group_scratch_.get(), 0, group_scratch_.size()),
-                                    "group scratch");
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = CudaStatus(cudaDeviceSynchronize(), "group scratch"); !s.ok()) return s;
+  if (absl::Status s = ReserveZeroed(group_scratch_, group_words * 4, "group scratch"); !s.ok()) {
+    return s;
   }
   const size_t counters =
       static_cast<size_t>(plan.tokens) *
       static_cast<size_t>((layer.hidden + kFoldRowsPerBlock - 1) / kFoldRowsPerBlock) * 4;
-  if (fold_counters_.size() < counters || fold_counters_.get() == nullptr) {
-    if (absl::Status s = fold_counters_.Reserve(counters); !s.ok()) return s;
-    if (absl::Status s = CudaStatus(cudaMemset(fold_counters_.get(), 0, fold_counters_.size()),
-                                    "fold counters");
-        !s.ok()) {
-      return s;
-    }
-    // cudaMemset runs on the legacy stream; the runner's stream may not wait for it.
-    if (absl::Status s = CudaStatus(cudaDeviceSynchronize(), "fold counters"); !s.ok()) return s;
+  if (absl::Status s = ReserveZeroed(fold_counters_, counters, "fold counters"); !s.ok()) {
+    return s;
   }
   return absl::OkStatus();
 }
