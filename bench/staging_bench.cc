@@ -38,9 +38,6 @@ ABSL_FLAG(std::vector<std::string>, formats, std::vector<std::string>({"mxfp8", 
 ABSL_FLAG(int, reps, 50, "graph replays timed at 4096 tokens");
 ABSL_FLAG(bool, small, true, "also time 1, 8 and 64 tokens");
 ABSL_FLAG(bool, sweep, false, "also time MXFP8 blocks of 256, 512 and 1024 threads at 4096 tokens");
-ABSL_FLAG(int, nvfp4_rounds, 0,
-          "rounds of the NVFP4 kernel choices (StagingParams::nvfp4_kernel 1..4) timed in "
-          "alternation at 4096 tokens");
 
 namespace moe::bench {
 namespace {
@@ -200,21 +197,6 @@ int Main() {
         set->params.programmatic = true;
       }
     }
-    nlohmann::json kernel_sweep = nlohmann::json::array();
-    if (format == StagingFormat::kNvfp4) {
-      for (int round = 0; round < absl::GetFlag(FLAGS_nvfp4_rounds); ++round) {
-        for (int kernel = 1; kernel <= 4; ++kernel) {
-          for (auto& set : big) set->params.nvfp4_kernel = kernel;
-          const double t = TimeLaunches(big, 1, absl::GetFlag(FLAGS_reps), stream);
-          std::printf("nvfp4 4096 x %lld, kernel %d (round %d): %8.2f us, %.1f%% of copy bandwidth\n",
-                      static_cast<long long>(kHidden), kernel, round, t,
-                      100 * bytes / (t * 1e-6) / copy_bw);
-          kernel_sweep.push_back({{"nvfp4_kernel", kernel}, {"round", round}, {"median_us", t},
-                                  {"fraction_of_copy_bw", bytes / (t * 1e-6) / copy_bw}});
-        }
-      }
-      for (auto& set : big) set->params.nvfp4_kernel = 0;
-    }
     const double rate = bytes / (us * 1e-6);
     std::printf("%s 4096 x %lld + remap + load: %8.2f us, %.1f MB, %.3f TB/s = %.1f%% of copy "
                 "bandwidth (target >= 80%%) %s\n",
@@ -226,7 +208,6 @@ int Main() {
     points.push_back({{"format", name}, {"tokens", 4096}, {"hidden", kHidden},
                       {"median_us_per_launch", us}, {"median_us_per_launch_no_pdl", plain_us},
                       {"mxfp8_block_threads_sweep_us", block_sweep},
-                      {"nvfp4_kernel_sweep", kernel_sweep},
                       {"bytes", bytes},
                       {"TBps", rate / 1e12}, {"fraction_of_copy_bw", rate / copy_bw},
                       {"target_fraction", 0.8}});

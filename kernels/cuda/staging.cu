@@ -21,7 +21,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cfloat>
 #include <cstdint>
 
@@ -49,8 +48,6 @@ constexpr int kNvfp4MaxThreads = 1024;
 // Register cap of the NVFP4 kernel: 56 keeps 5 blocks of 224 threads (H = 7168) per SM without
 // spills; 64 measured 4-5% slower, 48 the same as 56 (NOTES-cuda.md).
 constexpr int kNvfp4Registers = 56;
-// StagingParams::nvfp4_kernel when it is 0.
-constexpr int kNvfp4DefaultKernel = 1;
 // MXFP8 element codes and E4M3 block scales of NVFP4 through the hardware conversion
 // (cvt.rn.satfinite.e4m3x2.f32: round half to even, saturate to +-448 (infinities too),
 // NaN -> 0x7F), which gives the bytes of FloatToE4m3; staging_cuda_test checks it. false: the
@@ -376,36 +373,24 @@ struct Nvfp4LaneTile {
   int group[kNvfp4LaneGroups];        // group index within the row
 };
 
-// A lane's loads of one warp tile, before the half-group exchange.
-struct Nvfp4RawTile {
-  uint4 v[2 * kNvfp4LaneGroups];
-};
-
-// Load stage. Lane i of the warp whose tile starts at chunk `tile` reads chunks tile + 32j + i
-// (every load instruction of the warp reads 512 contiguous bytes); chunks at or past `chunks`
-// read as zeros. Called by whole warps.
-__device__ __forceinline__ Nvfp4RawTile LoadNvfp4Raw(const uint4* row, int tile, int chunks) {
+// Load and exchange stage. Lane i of the warp whose tile starts at chunk `tile` reads chunks
+// tile + 32j + i (every load instruction of the warp reads 512 contiguous bytes); chunk 32j + i
+// is half (i & 1) of group 16j + i / 2. Lanes 2p + b keep their loads j = 2k + b and swap the
+// others with the partner, so that they hold groups 32k + 16b + p whole. Called by whole warps.
+__device__ __forceinline__ Nvfp4LaneTile LoadNvfp4Tile(const uint4* row, int tile, int chunks) {
   const int lane = threadIdx.x & 31;
-  Nvfp4RawTile raw;
+  const bool odd = (lane & 1) != 0;
+  uint4 v[2 * kNvfp4LaneGroups];
 #pragma unroll
   for (int j = 0; j < 2 * kNvfp4LaneGroups; ++j) {
     const int c = tile + 32 * j + lane;
-    raw.v[j] = c < chunks ? LoadOnce(row + c) : make_uint4(0, 0, 0, 0);
+    v[j] = c < chunks ? LoadOnce(row + c) : make_uint4(0, 0, 0, 0);
   }
-  return raw;
-}
-
-// Exchange stage: chunk 32j + i of the tile is half (i & 1) of group 16j + i / 2. Lanes 2p + b
-// keep their loads j = 2k + b and swap the others with the partner, so that they hold groups
-// 32k + 16b + p whole. Called by whole warps.
-__device__ __forceinline__ Nvfp4LaneTile ExchangeNvfp4Tile(const Nvfp4RawTile& raw, int tile) {
-  const int lane = threadIdx.x & 31;
-  const bool odd = (lane & 1) != 0;
   Nvfp4LaneTile r;
 #pragma unroll
   for (int k = 0; k < kNvfp4LaneGroups; ++k) {
-    const uint4& even_load = raw.v[2 * k];
-    const uint4& odd_load = raw.v[2 * k + 1];
+    const uint4& even_load = v[2 * k];
+    const uint4& odd_load = v[2 * k + 1];
     const uint4 own = odd ? odd_load : even_load;
     const uint4 send = odd ? even_load : odd_load;
     const uint4 other =
@@ -420,10 +405,6 @@ __device__ __forceinline__ Nvfp4LaneTile ExchangeNvfp4Tile(const Nvfp4RawTile& r
   return r;
 }
 
-__device__ __forceinline__ Nvfp4LaneTile LoadNvfp4Tile(const uint4* row, int tile, int chunks) {
-  return ExchangeNvfp4Tile(LoadNvfp4Raw(row, tile, chunks), tile);
-}
-
 __device__ __forceinline__ float TileMax(const Nvfp4LaneTile& r) {
   float m = r.group_max[0];
 #pragma unroll
@@ -431,8 +412,7 @@ __device__ __forceinline__ float TileMax(const Nvfp4LaneTile& r) {
   return m;
 }
 
-// Largest of every thread's `v` (block-wide; every thread gets it). One barrier; a block calls it
-// again only after another barrier that follows every warp's read of the partials.
+// Largest of every thread's `v` (block-wide; every thread gets it). One barrier; call once.
 __device__ __forceinline__ float BlockMax(float v) {
   __shared__ float partial[kNvfp4MaxThreads / 32];
   const int lane = threadIdx.x & 31;
@@ -531,64 +511,6 @@ __global__ void __maxnreg__(kNvfp4Registers)
   }
 }
 
-// Rows in flight (StagingParams::nvfp4_kernel 2..4): as many blocks as fit on the device at
-// once, each looping over rows t, t + grid, ...; a block issues the loads of its next row before
-// it quantizes the current one, so every block always has a row's loads in flight instead of
-// waiting for them at the start of each row. Rows of at most one block tile only (the launcher
-// checks). The two barriers per row (BlockMax, BuildScaleTable) also order the reuse of the
-// shared partials and table: a warp writes the next row's partial only after every warp has
-// passed this row's table barrier, which follows its reads of the partials, and the next row's
-// table is written only after every warp has passed the next BlockMax barrier, which follows
-// its encode of this row.
-template <int kRegisters>
-__global__ void __maxnreg__(kRegisters)
-    StageNvfp4RowsKernel(const StagingParams p, int remap_blocks) {
-  ProgrammaticStart();
-  if (static_cast<int>(blockIdx.x) < remap_blocks) {
-    RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
-    return;
-  }
-  const int chunks = p.hidden_size / 8;
-  const int64_t stride = gridDim.x - remap_blocks;
-  const uint4* x = reinterpret_cast<const uint4*>(p.x);
-  const int warp_tile = static_cast<int>(threadIdx.x / 32) * kNvfp4WarpChunks;
-  int64_t t = blockIdx.x - remap_blocks;  // < p.tokens: the grid has at most one block per row
-  Nvfp4RawTile raw = LoadNvfp4Raw(x + t * chunks, warp_tile, chunks);
-  __shared__ Nvfp4ScaleTable table;
-  for (; t < p.tokens; t += stride) {
-    const Nvfp4LaneTile tile = ExchangeNvfp4Tile(raw, warp_tile);
-    if (t + stride < p.tokens) raw = LoadNvfp4Raw(x + (t + stride) * chunks, warp_tile, chunks);
-    const float x_scale = __fdiv_rn(fmaxf(BlockMax(TileMax(tile)), FLT_MIN), 2688.f);
-    if (threadIdx.x == 0) p.token_scale[t] = x_scale;
-    BuildScaleTable(table, x_scale);
-    const Nvfp4RowOut out = {reinterpret_cast<uint2*>(p.q + t * (chunks * 4)),
-                             p.scales + t * (chunks / 8), chunks / 2};
-    QuantizeNvfp4Tile(out, tile, table, __fmul_rn(6.f, x_scale));
-  }
-}
-
-// Blocks of rows-in-flight kernel `choice` (2..4) with `warps` warps that fit on the current
-// device at once (at least 1). The per-SM count is computed once per (choice, warps) and process.
-int ResidentBlocks(int choice, int warps, const void* kernel) {
-  static std::atomic<int> per_sm_cache[3][kNvfp4MaxThreads / 32 + 1] = {};
-  std::atomic<int>& cached = per_sm_cache[choice - 2][warps];
-  int per_sm = cached.load(std::memory_order_relaxed);
-  if (per_sm == 0) {
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * warps, 0) !=
-            cudaSuccess ||
-        per_sm < 1) {
-      per_sm = 1;
-    }
-    cached.store(per_sm, std::memory_order_relaxed);
-  }
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    return per_sm;
-  }
-  return std::max(sms, 1) * per_sm;
-}
-
 }  // namespace
 
 cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
@@ -601,23 +523,10 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   if (mx_threads != 256 && mx_threads != 512 && mx_threads != 1024) return cudaErrorInvalidValue;
   int threads = mx_threads;
   int64_t quant_blocks = 0;
-  void (*nvfp4_kernel)(StagingParams, int) = StageNvfp4Kernel;
   if (nvfp4) {
     const int warps = (p.hidden_size / 8 + kNvfp4WarpChunks - 1) / kNvfp4WarpChunks;
     threads = 32 * std::min(std::max(warps, 1), kNvfp4MaxThreads / 32);
     if (quantize) quant_blocks = p.tokens;
-    const int choice = p.nvfp4_kernel != 0 ? p.nvfp4_kernel : kNvfp4DefaultKernel;
-    // Rows in flight need the whole row in one block tile.
-    if (choice >= 2 && warps <= kNvfp4MaxThreads / 32) {
-      nvfp4_kernel = choice == 2   ? StageNvfp4RowsKernel<56>
-                     : choice == 3 ? StageNvfp4RowsKernel<72>
-                                   : StageNvfp4RowsKernel<96>;
-      if (quantize) {
-        quant_blocks = std::min<int64_t>(
-            p.tokens, ResidentBlocks(choice, threads / 32,
-                                     reinterpret_cast<const void*>(nvfp4_kernel)));
-      }
-    }
   } else if (quantize) {
     const int64_t per_block = static_cast<int64_t>(mx_threads) * kMxfp8ThreadChunks;
     quant_blocks = (mx_chunks + per_block - 1) / per_block;
@@ -635,7 +544,7 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   config.attrs = attr;
   // 1024-thread MXFP8 blocks measured faster without it (a waiting block holds half an SM).
   config.numAttrs = p.programmatic && (nvfp4 || mx_threads != 1024) ? 1 : 0;
-  void (*kernel)(StagingParams, int) = nvfp4                ? nvfp4_kernel
+  void (*kernel)(StagingParams, int) = nvfp4                ? StageNvfp4Kernel
                                        : mx_threads == 1024 ? StageMxfp8Kernel<1024>
                                        : mx_threads == 512  ? StageMxfp8Kernel<512>
                                                             : StageMxfp8Kernel<256>;

@@ -91,13 +91,11 @@ size_t Mismatches(const std::vector<T>& got, const std::vector<T>& want) {
   return n;
 }
 
-// mx_threads: StagingParams::mxfp8_block_threads; programmatic: StagingParams::programmatic;
-// nvfp4_kernel: StagingParams::nvfp4_kernel.
+// mx_threads: StagingParams::mxfp8_block_threads; programmatic: StagingParams::programmatic.
 void CheckCase(StagingFormat format, int64_t tokens, int64_t hidden, uint64_t seed,
-               int mx_threads = 0, bool programmatic = true, int nvfp4_kernel = 0) {
+               int mx_threads = 0, bool programmatic = true) {
   SCOPED_TRACE(testing::Message() << (format == StagingFormat::kMxfp8 ? "MXFP8" : "NVFP4")
-                                  << " T=" << tokens << " H=" << hidden << " seed=" << seed
-                                  << " nvfp4_kernel=" << nvfp4_kernel);
+                                  << " T=" << tokens << " H=" << hidden << " seed=" << seed);
   std::mt19937_64 rng(seed);
   const bool mx = format == StagingFormat::kMxfp8;
   const int64_t q_bytes = mx ? tokens * hidden : tokens * hidden / 2;
@@ -168,7 +166,6 @@ void CheckCase(StagingFormat format, int64_t tokens, int64_t hidden, uint64_t se
   p.num_unpadded = static_cast<int32_t>(num_unpadded);
   p.mxfp8_block_threads = mx_threads;
   p.programmatic = programmatic;
-  p.nvfp4_kernel = nvfp4_kernel;
   ASSERT_TRUE(EnqueueStaging(p, nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
@@ -211,18 +208,6 @@ TEST(StagingCudaTest, Nvfp4MatchesCpuBitForBit) {
   for (int64_t tokens : {1, 7}) {
     CheckCase(StagingFormat::kNvfp4, tokens, 36864, seed + tokens * 17 + 36864);
   }
-  // Every kernel choice: one block per row, and rows in flight at each register cap (more rows
-  // than resident blocks at 4096 x 7168, so blocks loop; 36864 falls back to one block per row).
-  for (int kernel = 1; kernel <= 4; ++kernel) {
-    for (int64_t tokens : {1, 7, 333, 4096}) {
-      for (int64_t hidden : {64, 2880, 7168}) {
-        CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + kernel * 1009 + tokens * 13 + hidden,
-                  0, true, kernel);
-      }
-    }
-    CheckCase(StagingFormat::kNvfp4, 7, 36864, seed + kernel, 0, true, kernel);
-    CheckCase(StagingFormat::kNvfp4, 4096, 7168, seed + kernel * 3, 0, false, kernel);
-  }
 }
 
 TEST(StagingCudaTest, RemapOnlyAndRejectsBadHidden) {
@@ -237,11 +222,6 @@ TEST(StagingCudaTest, RemapOnlyAndRejectsBadHidden) {
   EXPECT_EQ(EnqueueStaging(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
   p.mxfp8_block_threads = 384;  // not a supported block size
   EXPECT_EQ(EnqueueStaging(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
-  p.mxfp8_block_threads = 0;
-  for (int kernel : {-1, 5}) {  // not an NVFP4 kernel choice
-    p.nvfp4_kernel = kernel;
-    EXPECT_EQ(EnqueueStaging(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
-  }
 }
 
 }  // namespace

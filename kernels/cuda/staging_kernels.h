@@ -60,11 +60,6 @@ struct StagingParams {
   // Tuning: threads per MXFP8 quantization block, 256, 512 or 1024; 0: the measured best (1024
   // from 2^19 chunks of 8 elements, 256 below).
   int32_t mxfp8_block_threads = 0;
-  // Tuning: the NVFP4 quantization kernel. 1: one block per token row; 2, 3, 4: rows in flight
-  // (as many blocks as fit on the device, each loading its next row while it quantizes the
-  // current one) with a register cap of 56, 72 or 96 (5, 4 or 3 blocks of 224 threads per SM); rows longer than one block tile (32768
-  // elements) always take 1. 0: the measured best.
-  int32_t nvfp4_kernel = 0;
 };
 
 // Enqueues the fused staging kernel (one launch). REQUIRES: the Params are consistent (see

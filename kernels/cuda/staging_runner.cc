@@ -86,10 +86,6 @@ absl::Status EnqueueStaging(const StagingParams& p, cudaStream_t stream) {
                                                    p.mxfp8_block_threads,
                                                    " is not 0, 256, 512 or 1024"));
   }
-  if (p.nvfp4_kernel < 0 || p.nvfp4_kernel > 4) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("staging: nvfp4_kernel ", p.nvfp4_kernel, " is not in [0, 4]"));
-  }
   if (absl::Status s = CheckQuantization(p); !s.ok()) return s;
   if (absl::Status s = CheckRemap(p); !s.ok()) return s;
   return CudaStatus(LaunchStaging(p, stream), "staging kernel launch");
