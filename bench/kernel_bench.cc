@@ -30,6 +30,7 @@
 #include "absl/strings/str_split.h"
 #include "bench/bench_problem.h"
 #include "bench/gpu_bench_util.h"
+#include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/expert_plan.h"
 #include "kernels/cuda/expert_runner.h"
 #include "kernels/experts.h"
@@ -48,6 +49,12 @@ ABSL_FLAG(std::string, extras, "",
           "points' ones included (mma_sync_no_wgmma, wgmma_variant1, wgmma_variant2, "
           "wgmma_hidden_staged, wgmma_y_f32, wgmma_l2_ahead, wgmma_staged_y_f32); a name "
           "that matches none (e.g. none) times none");
+ABSL_FLAG(std::string, backend_tokens, "",
+          "comma-separated token counts at which to also time CudaExpertBackend::Run from host "
+          "inputs to host output (what a shard's executor waits for), the graph and pinned "
+          "staging defaults against kernels launched one by one with pageable copies");
+ABSL_FLAG(int, backend_rounds, 3, "alternating rounds of the two backend configurations");
+ABSL_FLAG(int, backend_runs, 60, "timed Runs per backend configuration and round");
 ABSL_FLAG(int, extras_max_tokens, 1 << 30,
           "up to this token count also time GEMM variants 1..3 (and launches without PDL up to "
           "64 tokens)");
@@ -222,6 +229,89 @@ double TargetFor(char problem, int64_t tokens) {
     if (t.problem == problem && t.tokens == tokens) return t.target_us;
   }
   return 0;
+}
+
+// CudaExpertBackend::Run wall time (host inputs in, host output back) at each of
+// --backend_tokens: the defaults (CUDA graphs for repeated shapes, one pinned staging buffer
+// filled and emptied by several threads) against launches one by one with pageable per-tensor
+// copies and against the defaults with one copy thread, in alternating rounds over 8
+// routings per token count (so the graphs see several item counts). Returns the JSON rows.
+nlohmann::json TimeBackend(const ProblemLayer& problem) {
+  nlohmann::json rows = nlohmann::json::array();
+  const std::string list = absl::GetFlag(FLAGS_backend_tokens);
+  if (list.empty()) return rows;
+  CudaBackendOptions plain_options;
+  plain_options.graph_max_tokens = 0;
+  plain_options.pinned_staging_bytes = 0;
+  CudaBackendOptions one_thread_options;
+  one_thread_options.copy_threads = 1;
+  const struct {
+    const char* name;
+    CudaBackendOptions options;
+  } configs[] = {{"default", CudaBackendOptions{}},
+                 {"eager_pageable", plain_options},
+                 {"pinned_one_copy_thread", one_thread_options}};
+  std::vector<std::unique_ptr<ExpertBackend>> backends;
+  for (const auto& c : configs) {
+    absl::StatusOr<std::unique_ptr<ExpertBackend>> b = MakeCudaExpertBackend(c.options);
+    BENCH_CHECK_OK(b.status());
+    BENCH_CHECK_OK((*b)->PrepareLayer(0, problem.layer));
+    backends.push_back(*std::move(b));
+  }
+  for (absl::string_view field : absl::StrSplit(list, ',')) {
+    const int64_t tokens = std::stoll(std::string(field));
+    std::mt19937_64 rng(99 + static_cast<uint64_t>(tokens));
+    std::vector<HostBatch> batches;
+    for (int i = 0; i < 8; ++i) batches.push_back(RandomBatch(problem, tokens, rng));
+    std::vector<uint16_t> out(static_cast<size_t>(tokens * problem.layer.hidden));
+    std::vector<std::vector<double>> us(backends.size());
+    std::vector<uint16_t> first_out;
+    for (size_t b = 0; b < backends.size(); ++b) {  // warm-up: every shape captured
+      for (int pass = 0; pass < 2; ++pass) {
+        for (const HostBatch& batch : batches) {
+          BENCH_CHECK_OK(backends[b]->Run(0, problem.layer, batch.Request(out.data())));
+        }
+      }
+      if (b == 0) {
+        first_out = out;
+      } else {
+        // Both configurations give the same bits for the last batch.
+        if (out != first_out) BENCH_CHECK_OK(absl::InternalError("backend outputs differ"));
+      }
+    }
+    for (int round = 0; round < absl::GetFlag(FLAGS_backend_rounds); ++round) {
+      for (size_t b = 0; b < backends.size(); ++b) {
+        for (int i = 0; i < absl::GetFlag(FLAGS_backend_runs); ++i) {
+          const HostBatch& batch = batches[i % batches.size()];
+          const ExpertsRequest request = batch.Request(out.data());
+          const auto t0 = std::chrono::steady_clock::now();
+          BENCH_CHECK_OK(backends[b]->Run(0, problem.layer, request));
+          us[b].push_back(
+              std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
+                  .count());
+        }
+      }
+    }
+    nlohmann::json row = {{"tokens", tokens}};
+    std::printf("backend Run T=%5lld:", static_cast<long long>(tokens));
+    for (size_t b = 0; b < backends.size(); ++b) {
+      const Stats st = Summarize(us[b]);
+      const CudaBackendCounters n = GetCudaBackendCounters(*backends[b]);
+      std::printf(" %s median %8.1f us (p10 %8.1f p90 %8.1f) [eager %lld, captures %lld, replays "
+                  "%lld, pinned %lld];",
+                  configs[b].name, st.median, st.p10, st.p90, static_cast<long long>(n.eager_runs),
+                  static_cast<long long>(n.graph_captures), static_cast<long long>(n.graph_replays),
+                  static_cast<long long>(n.pinned_runs));
+      row[configs[b].name] = {{"wall", ToJson(st)},
+                              {"eager_runs", n.eager_runs},
+                              {"graph_captures", n.graph_captures},
+                              {"graph_replays", n.graph_replays},
+                              {"pinned_runs", n.pinned_runs}};
+    }
+    std::printf("\n");
+    rows.push_back(row);
+  }
+  return rows;
 }
 
 const char* ActivationName(const ProblemLayer& p) {
@@ -517,7 +607,15 @@ int Main() {
        "32-token items; L2 evict-first on the ring variants' weight copies), "
        "programmatic dependent launch on; stage split from plain "
        "launches with events between the kernels"},
-      {"points", points}};
+      {"points", points},
+      {"backend_run",
+       {{"timing",
+         "wall time of CudaExpertBackend::Run (host inputs to host output), median over "
+         "--backend_rounds alternating rounds x --backend_runs runs cycling over 8 routings; "
+         "default: CUDA graphs for repeated shapes + one pinned staging buffer, host copies on "
+         "CudaBackendOptions::copy_threads threads; eager_pageable: kernels launched one by one, "
+         "pageable per-tensor copies; pinned_one_copy_thread: the default with one copy thread"},
+        {"rows", TimeBackend(problem)}}}};
   WriteJson(absl::GetFlag(FLAGS_out_json), out);
   return 0;
 }

@@ -1,6 +1,8 @@
 // CudaExpertBackend: ExpertBackend over expert_runner.h. Host code (abseil allowed), no device
-// code. Inputs are copied from the caller's (pageable) host memory on a private stream; the call
-// returns after the output is back on the host.
+// code. Each Run copies the inputs to one device buffer on a private stream (small batches through
+// one pinned host buffer, large ones straight from the caller's pageable memory), runs the kernels
+// (as a CUDA graph for shapes seen before, see CudaBackendOptions::graph_max_tokens) and returns
+// after the output is back in the caller's memory.
 //
 // Device weights are kept per (layer index, host weights): during a two-phase placement switch
 // the shard serves the old and the new map version at once, so PrepareLayer for the new version
@@ -12,16 +14,20 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstring>
 #include <deque>
 #include <memory>
 #include <map>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "kernels/cpu/thread_pool.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/expert_kernels.h"
 #include "kernels/cuda/expert_plan.h"
@@ -71,6 +77,11 @@ class CudaExpertBackend final : public ExpertBackend {
     runner_.set_hidden_in_place(options.wgmma_byte_savers);
     runner_.set_y_bf16(options.wgmma_byte_savers);
     runner_.set_wgmma_l2_ahead(options.wgmma_l2_ahead);
+    runner_.set_programmatic_launch(options.programmatic_launch);
+    const int hardware = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    copy_pool_ = std::make_unique<cpu::ThreadPool>(
+        std::clamp(options_.copy_threads > 0 ? options_.copy_threads : std::min(8, hardware), 1,
+                   64));
     if (options_.upload_threads <= 0) {
       options_.upload_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     }
@@ -78,10 +89,21 @@ class CudaExpertBackend final : public ExpertBackend {
   ~CudaExpertBackend() override {
     cudaSetDevice(options_.device);
     {
+      absl::MutexLock lock(&run_mu_);
+      ClearGraphs();
+      if (pinned_ != nullptr) cudaFreeHost(pinned_);
+      for (cudaEvent_t e : copy_events_) cudaEventDestroy(e);
+    }
+    {
       absl::MutexLock lock(&layers_mu_);
       layers_.clear();
     }
     cudaStreamDestroy(stream_);
+  }
+
+  CudaBackendCounters counters() const {
+    absl::MutexLock lock(&run_mu_);
+    return counters_;
   }
 
   // Device copies kept per layer index (the shard keeps up to 4 map versions).
@@ -121,6 +143,9 @@ class CudaExpertBackend final : public ExpertBackend {
         cuda::UploadExpertLayer(layer, options_.device, options_.upload_threads);
     if (!d.ok()) return d.status();
     auto version = std::make_shared<DeviceVersion>(DeviceVersion{std::move(host), *std::move(d)});
+    // Graphs captured against an evicted or replaced copy would read freed memory: Run drops them
+    // all when this changes.
+    layers_generation_.fetch_add(1);
     absl::MutexLock lock(&layers_mu_);
     std::deque<std::shared_ptr<const DeviceVersion>>& versions = layers_[layer_index];
     versions.push_front(std::move(version));
@@ -136,8 +161,27 @@ class CudaExpertBackend final : public ExpertBackend {
   absl::StatusOr<std::shared_ptr<const DeviceVersion>> Prepared(int layer_index,
                                                                 const ExpertLayer& layer)
       ABSL_LOCKS_EXCLUDED(layers_mu_);
-  absl::Status CopyIn(const ExpertsRequest& request, bool with_mask)
+  // Where a Run's tensors sit in the device arena (and, when staged, in the pinned buffer):
+  // hidden | ids | weights | mask | out, each at a 256-byte boundary.
+  struct ArenaLayout {
+    size_t hidden = 0, ids = 0, weights = 0, mask = 0, out = 0;
+    size_t in_bytes = 0;  // the inputs' span
+    size_t total = 0;
+  };
+  static ArenaLayout Layout(const ExpertsRequest& request, bool with_mask);
+  // Copies the inputs into the device arena (through the pinned buffer when `pinned`).
+  absl::Status CopyIn(const ExpertsRequest& request, bool with_mask, const ArenaLayout& at,
+                      bool pinned) ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
+  // Copies the output back (through the pinned buffer when `pinned`) and waits for it.
+  absl::Status CopyOut(const ExpertsRequest& request, const ArenaLayout& at, bool pinned)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
+  // Pieces of the pinned copies: the host copies one while the DMA engine moves the previous.
+  static constexpr size_t kCopyPieceBytes = size_t{4} << 20;
+  static constexpr size_t kMaxSeenShapes = 4096;
+  // Enqueues the kernels: eagerly, or through a graph captured for the batch's shape.
+  absl::Status EnqueueKernels(const cuda::DeviceExpertLayer& layer, const cuda::DeviceBatch& batch,
+                              const cuda::RoutePlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
+  void ClearGraphs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
 
   CudaBackendOptions options_;
   cudaStream_t stream_;
@@ -146,12 +190,48 @@ class CudaExpertBackend final : public ExpertBackend {
       ABSL_GUARDED_BY(layers_mu_);
   // One Run at a time on the private stream and its buffers (the executor calls from one
   // thread; this keeps other callers correct too).
-  absl::Mutex run_mu_;
+  mutable absl::Mutex run_mu_;
   cuda::ExpertRunner runner_ ABSL_GUARDED_BY(run_mu_);
-  DeviceBuffer hidden_ ABSL_GUARDED_BY(run_mu_), ids_ ABSL_GUARDED_BY(run_mu_),
-      weights_ ABSL_GUARDED_BY(run_mu_), mask_ ABSL_GUARDED_BY(run_mu_),
-      out_ ABSL_GUARDED_BY(run_mu_);
+  DeviceBuffer arena_ ABSL_GUARDED_BY(run_mu_);
+  uint8_t* pinned_ ABSL_GUARDED_BY(run_mu_) = nullptr;  // cudaHostAlloc'd, pinned_bytes_ long
+  size_t pinned_bytes_ ABSL_GUARDED_BY(run_mu_) = 0;
+  // Captured graphs by shape key, and the shapes run eagerly once so far (a shape is captured on
+  // its second batch). Valid while the epoch below is unchanged.
+  struct Graph {
+    cudaGraphExec_t exec = nullptr;
+    uint64_t last_use = 0;
+  };
+  std::unordered_map<std::string, Graph> graphs_ ABSL_GUARDED_BY(run_mu_);
+  std::unordered_map<std::string, int> seen_ ABSL_GUARDED_BY(run_mu_);
+  uint64_t uses_ ABSL_GUARDED_BY(run_mu_) = 0;
+  // (arena pointer, runner scratch generation, layers generation) the graphs were captured with.
+  const void* graph_arena_ ABSL_GUARDED_BY(run_mu_) = nullptr;
+  uint64_t graph_scratch_ ABSL_GUARDED_BY(run_mu_) = 0;
+  uint64_t graph_layers_ ABSL_GUARDED_BY(run_mu_) = 0;
+  std::atomic<uint64_t> layers_generation_{0};
+  CudaBackendCounters counters_ ABSL_GUARDED_BY(run_mu_);
+  // Threads of the host copies into and out of the pinned buffer (one Run at a time uses it).
+  std::unique_ptr<cpu::ThreadPool> copy_pool_;
+  std::vector<cudaEvent_t> copy_events_ ABSL_GUARDED_BY(run_mu_);  // one per output piece
 };
+
+// memcpy split between the pool's threads when large enough to pay for waking them (at 368 KB
+// per tensor, five threads measured slower than one on the H200's host: 616 vs 505 us per Run).
+void ParallelCopy(cpu::ThreadPool& pool, void* dst, const void* src, size_t bytes) {
+  constexpr size_t kSplitBytes = size_t{2} << 20;
+  if (bytes < kSplitBytes || pool.num_threads() == 1) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  const int parts = static_cast<int>(std::min<size_t>(pool.num_threads(), bytes / (512 << 10)));
+  pool.ParallelFor(parts, [&](int i, int n) {
+    // 64-byte aligned cuts.
+    const size_t begin = bytes * i / n / 64 * 64;
+    const size_t end = i + 1 == n ? bytes : bytes * (i + 1) / n / 64 * 64;
+    std::memcpy(static_cast<uint8_t*>(dst) + begin, static_cast<const uint8_t*>(src) + begin,
+                end - begin);
+  });
+}
 
 absl::StatusOr<std::shared_ptr<const DeviceVersion>> CudaExpertBackend::Prepared(
     int layer_index, const ExpertLayer& layer) {
@@ -170,26 +250,193 @@ absl::StatusOr<std::shared_ptr<const DeviceVersion>> CudaExpertBackend::Prepared
       " was not prepared (PrepareLayer) with these weights"));
 }
 
-absl::Status CudaExpertBackend::CopyIn(const ExpertsRequest& request, bool with_mask) {
+CudaExpertBackend::ArenaLayout CudaExpertBackend::Layout(const ExpertsRequest& request,
+                                                         bool with_mask) {
+  ArenaLayout at;
+  size_t end = 0;
+  const auto take = [&end](const TensorView& view) {
+    const size_t here = end;
+    end += (static_cast<size_t>(view.NumBytes()) + 255) / 256 * 256;
+    return here;
+  };
+  at.hidden = take(request.hidden_states);
+  at.ids = take(request.local_ids);
+  at.weights = take(request.topk_weights);
+  at.mask = with_mask ? take(request.shared_mask) : end;
+  at.in_bytes = end;
+  at.out = take(request.out);
+  at.total = end;
+  return at;
+}
+
+absl::Status CudaExpertBackend::CopyIn(const ExpertsRequest& request, bool with_mask,
+                                       const ArenaLayout& at, bool pinned) {
   const struct {
-    DeviceBuffer& buf;
+    size_t offset;
     const TensorView& view;
-  } inputs[] = {{hidden_, request.hidden_states},
-                {ids_, request.local_ids},
-                {weights_, request.topk_weights},
-                {mask_, request.shared_mask}};
-  for (const auto& in : inputs) {
-    if (&in.view == &request.shared_mask && !with_mask) continue;
-    const size_t bytes = static_cast<size_t>(in.view.NumBytes());
-    if (absl::Status s = in.buf.Reserve(bytes); !s.ok()) return s;
-    if (absl::Status s = CudaStatus(cudaMemcpyAsync(in.buf.get(), in.view.data, bytes,
+  } inputs[] = {{at.hidden, request.hidden_states},
+                {at.ids, request.local_ids},
+                {at.weights, request.topk_weights},
+                {at.mask, request.shared_mask}};
+  uint8_t* device = arena_.as<uint8_t>();
+  if (!pinned) {
+    for (const auto& in : inputs) {
+      if (&in.view == &request.shared_mask && !with_mask) continue;
+      if (absl::Status s = CudaStatus(
+              cudaMemcpyAsync(device + in.offset, in.view.data,
+                              static_cast<size_t>(in.view.NumBytes()), cudaMemcpyHostToDevice,
+                              stream_),
+              "input copy");
+          !s.ok()) {
+        return s;
+      }
+    }
+    return absl::OkStatus();
+  }
+  // Pinned: the inputs' span of the arena layout piece by piece (one piece for small batches),
+  // each piece's host-to-device copy running while the host fills the next.
+  for (size_t begin = 0; begin < at.in_bytes; begin += kCopyPieceBytes) {
+    const size_t end = std::min(at.in_bytes, begin + kCopyPieceBytes);
+    for (const auto& in : inputs) {
+      if (&in.view == &request.shared_mask && !with_mask) continue;
+      const size_t lo = std::max(begin, in.offset);
+      const size_t hi = std::min(end, in.offset + static_cast<size_t>(in.view.NumBytes()));
+      if (lo >= hi) continue;
+      ParallelCopy(*copy_pool_, pinned_ + lo,
+                   static_cast<const uint8_t*>(in.view.data) + (lo - in.offset), hi - lo);
+    }
+    if (absl::Status s = CudaStatus(cudaMemcpyAsync(device + begin, pinned_ + begin, end - begin,
                                                     cudaMemcpyHostToDevice, stream_),
                                     "input copy");
         !s.ok()) {
       return s;
     }
   }
-  return out_.Reserve(static_cast<size_t>(request.out.NumBytes()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaExpertBackend::CopyOut(const ExpertsRequest& request, const ArenaLayout& at,
+                                        bool pinned) {
+  const size_t bytes = static_cast<size_t>(request.out.NumBytes());
+  uint8_t* device = arena_.as<uint8_t>() + at.out;
+  auto* out = static_cast<uint8_t*>(request.out.data);
+  if (!pinned) {
+    if (absl::Status s = CudaStatus(
+            cudaMemcpyAsync(out, device, bytes, cudaMemcpyDeviceToHost, stream_), "output copy");
+        !s.ok()) {
+      return s;
+    }
+    return CudaStatus(cudaStreamSynchronize(stream_), "expert kernels");
+  }
+  // Every piece's device-to-host copy, each followed by its event; the host empties piece i as
+  // soon as its event fires, while the later pieces are still in flight.
+  const size_t pieces = (bytes + kCopyPieceBytes - 1) / kCopyPieceBytes;
+  while (copy_events_.size() < pieces) {
+    cudaEvent_t e = nullptr;
+    if (absl::Status s =
+            CudaStatus(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "copy event");
+        !s.ok()) {
+      return s;
+    }
+    copy_events_.push_back(e);
+  }
+  for (size_t i = 0; i < pieces; ++i) {
+    const size_t begin = i * kCopyPieceBytes, piece = std::min(kCopyPieceBytes, bytes - begin);
+    if (absl::Status s = CudaStatus(cudaMemcpyAsync(pinned_ + at.out + begin, device + begin,
+                                                    piece, cudaMemcpyDeviceToHost, stream_),
+                                    "output copy");
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = CudaStatus(cudaEventRecord(copy_events_[i], stream_), "copy event");
+        !s.ok()) {
+      return s;
+    }
+  }
+  for (size_t i = 0; i < pieces; ++i) {
+    if (absl::Status s = CudaStatus(cudaEventSynchronize(copy_events_[i]), "expert kernels");
+        !s.ok()) {
+      return s;
+    }
+    const size_t begin = i * kCopyPieceBytes, piece = std::min(kCopyPieceBytes, bytes - begin);
+    ParallelCopy(*copy_pool_, out + begin, pinned_ + at.out + begin, piece);
+  }
+  return absl::OkStatus();
+}
+
+void CudaExpertBackend::ClearGraphs() {
+  for (auto& [key, graph] : graphs_) cudaGraphExecDestroy(graph.exec);
+  graphs_.clear();
+  seen_.clear();
+}
+
+absl::Status CudaExpertBackend::EnqueueKernels(const cuda::DeviceExpertLayer& layer,
+                                               const cuda::DeviceBatch& batch,
+                                               const cuda::RoutePlan& plan) {
+  const bool graphs = options_.graph_max_tokens > 0 && plan.tokens <= options_.graph_max_tokens;
+  // Graphed shapes round their item grids up, so that routings with nearby item counts share one.
+  runner_.set_round_item_grid(graphs);
+  // Scratch first: allocation is not allowed during capture, and a reallocation invalidates the
+  // graphs (they hold the old pointers), as does a new arena or a new layer copy.
+  if (absl::Status s = runner_.Reserve(layer, plan); !s.ok()) return s;
+  if (!graphs) {
+    ++counters_.eager_runs;
+    return runner_.Enqueue(layer, batch, plan, stream_);
+  }
+  const uint64_t layers = layers_generation_.load();
+  if (graph_arena_ != arena_.get() || graph_scratch_ != runner_.scratch_generation() ||
+      graph_layers_ != layers) {
+    ClearGraphs();
+    graph_arena_ = arena_.get();
+    graph_scratch_ = runner_.scratch_generation();
+    graph_layers_ = layers;
+  }
+  const std::string key = runner_.ShapeKey(layer, batch, plan);
+  ++uses_;
+  if (auto it = graphs_.find(key); it != graphs_.end()) {
+    it->second.last_use = uses_;
+    ++counters_.graph_replays;
+    return CudaStatus(cudaGraphLaunch(it->second.exec, stream_), "graph launch");
+  }
+  // A server's batch sizes can take many values: the record of shapes seen once stays bounded.
+  if (seen_.size() >= kMaxSeenShapes) seen_.clear();
+  if (seen_[key]++ == 0) {  // first batch of this shape: no capture for one-off shapes
+    ++counters_.eager_runs;
+    return runner_.Enqueue(layer, batch, plan, stream_);
+  }
+  if (absl::Status s = CudaStatus(
+          cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "graph capture");
+      !s.ok()) {
+    return s;
+  }
+  // Captured without programmatic dependent launch: with it, graphs of direct-route batches
+  // (T = 1) with F32 hidden states read GEMM1's staged activations before the prologue had
+  // written them (H200, cuda_backend_versions_test; eager launches with it are correct).
+  runner_.set_programmatic_launch(false);
+  const absl::Status enqueued = runner_.Enqueue(layer, batch, plan, stream_);
+  runner_.set_programmatic_launch(options_.programmatic_launch);
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
+  if (!enqueued.ok() || ended != cudaSuccess) {
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    if (!enqueued.ok()) return enqueued;
+    return CudaStatus(ended, "graph capture");
+  }
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  if (absl::Status s = CudaStatus(made, "graph instantiate"); !s.ok()) return s;
+  if (graphs_.size() >= static_cast<size_t>(kMaxCudaGraphs)) {
+    auto oldest = graphs_.begin();
+    for (auto it = graphs_.begin(); it != graphs_.end(); ++it) {
+      if (it->second.last_use < oldest->second.last_use) oldest = it;
+    }
+    cudaGraphExecDestroy(oldest->second.exec);
+    graphs_.erase(oldest);
+  }
+  graphs_[key] = Graph{exec, uses_};
+  ++counters_.graph_captures;
+  return CudaStatus(cudaGraphLaunch(exec, stream_), "graph launch");
 }
 
 absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
@@ -209,27 +456,48 @@ absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
       request.local_ids.As<const int32_t>(), tokens, request.local_ids.dim(1),
       with_mask ? request.shared_mask.As<const uint8_t>() : nullptr,
       static_cast<int>(layer.experts.size()), static_cast<int>(layer.shared_experts.size()));
-  if (absl::Status s = CopyIn(request, with_mask); !s.ok()) return s;
-  cuda::DeviceBatch batch;
-  batch.hidden = hidden_.get();
-  batch.hidden_bf16 = request.hidden_states.dtype == DType::kBF16;
-  batch.ids = ids_.as<int32_t>();
-  batch.weights = weights_.as<float>();
-  batch.shared_mask = with_mask ? mask_.as<uint8_t>() : nullptr;
-  batch.out = out_.get();
-  batch.out_bf16 = request.out.dtype == DType::kBF16;
-  if (absl::Status s = runner_.Enqueue(d, batch, plan, stream_); !s.ok()) return s;
-  if (absl::Status s = CudaStatus(cudaMemcpyAsync(request.out.data, out_.get(),
-                                                  static_cast<size_t>(request.out.NumBytes()),
-                                                  cudaMemcpyDeviceToHost, stream_),
-                                  "output copy");
-      !s.ok()) {
-    return s;
+  const ArenaLayout at = Layout(request, with_mask);
+  if (absl::Status s = arena_.Reserve(at.total); !s.ok()) return s;
+  const bool pinned = static_cast<int64_t>(at.total) <= options_.pinned_staging_bytes;
+  if (pinned && pinned_bytes_ < at.total) {
+    if (pinned_ != nullptr) cudaFreeHost(pinned_);
+    pinned_ = nullptr;
+    pinned_bytes_ = 0;
+    // Grown in powers of two (from 1 MB) up to the limit, so it is reallocated rarely.
+    size_t bytes = size_t{1} << 20;
+    while (bytes < at.total) bytes *= 2;
+    bytes = std::min(bytes, static_cast<size_t>(options_.pinned_staging_bytes));
+    if (absl::Status s = CudaStatus(cudaHostAlloc(reinterpret_cast<void**>(&pinned_), bytes,
+                                                  cudaHostAllocDefault),
+                                    "pinned staging buffer");
+        !s.ok()) {
+      pinned_ = nullptr;
+      return s;
+    }
+    pinned_bytes_ = bytes;
   }
-  return CudaStatus(cudaStreamSynchronize(stream_), "expert kernels");
+  if (absl::Status s = CopyIn(request, with_mask, at, pinned); !s.ok()) return s;
+  uint8_t* device = arena_.as<uint8_t>();
+  cuda::DeviceBatch batch;
+  batch.hidden = device + at.hidden;
+  batch.hidden_bf16 = request.hidden_states.dtype == DType::kBF16;
+  batch.ids = reinterpret_cast<const int32_t*>(device + at.ids);
+  batch.weights = reinterpret_cast<const float*>(device + at.weights);
+  batch.shared_mask = with_mask ? device + at.mask : nullptr;
+  batch.out = device + at.out;
+  batch.out_bf16 = request.out.dtype == DType::kBF16;
+  if (absl::Status s = EnqueueKernels(d, batch, plan); !s.ok()) return s;
+  if (absl::Status s = CopyOut(request, at, pinned); !s.ok()) return s;
+  if (pinned) ++counters_.pinned_runs;
+  return absl::OkStatus();
 }
 
 }  // namespace
+
+CudaBackendCounters GetCudaBackendCounters(const ExpertBackend& backend) {
+  const auto* cuda = dynamic_cast<const CudaExpertBackend*>(&backend);
+  return cuda != nullptr ? cuda->counters() : CudaBackendCounters{};
+}
 
 absl::StatusOr<std::unique_ptr<ExpertBackend>> MakeCudaExpertBackend(
     const CudaBackendOptions& options) {

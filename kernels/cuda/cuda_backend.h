@@ -1,7 +1,8 @@
 // The CUDA (sm_90a) expert backend behind ExpertBackend: MXFP4 and NVFP4 weights are repacked and
 // kept on the device per layer (PrepareLayer); each Run copies the batch (hidden states, local
-// ids, top-k weights, shared mask) to the device, runs the expert kernels (expert_kernels.h) and
-// copies the F32/BF16 output back. Results are bitwise repeatable run to run.
+// ids, top-k weights, shared mask) to the device, runs the expert kernels (expert_kernels.h; as a
+// CUDA graph for shapes seen before) and copies the F32/BF16 output back. Results are bitwise
+// repeatable run to run, graph or not.
 //
 // Called by CreateBackend("cuda") and tests. Thread-safety and ownership as ExpertBackend: one
 // thread at a time per instance; device copies of the layers are owned by the instance.
@@ -41,7 +42,38 @@ struct CudaBackendOptions {
   // tile's weights (ExpertRunner::set_wgmma_l2_ahead). Tests cover every form.
   bool wgmma_byte_savers = true;
   bool wgmma_l2_ahead = false;
+  // Batches of up to this many tokens run their kernels as a CUDA graph: the second batch of a
+  // shape (ExpertRunner::ShapeKey, with the item grid rounded up by at most 1/8) captures one,
+  // later ones replay it, so a Run costs one graph launch instead of four kernel launches. At
+  // most kMaxCudaGraphs graphs are kept (least recently used goes). 0: never.
+  int graph_max_tokens = 512;
+  // Programmatic dependent launch between the kernels of a batch (ExpertRunner::
+  // set_programmatic_launch).
+  bool programmatic_launch = true;
+  // Inputs and output of batches of up to this many bytes in all go through one pinned host
+  // buffer: the host copies into and out of it run on copy_threads threads, then one
+  // host-to-device and one device-to-host copy per Run, instead of one pageable copy per tensor
+  // (which the driver stages on one thread). Larger batches copy each tensor from and to the
+  // caller's memory. 0: never.
+  int64_t pinned_staging_bytes = int64_t{256} << 20;
+  // Host threads of the copies into and out of the pinned buffer (tensors of 256 KB and more are
+  // split between them); 0: min(8, hardware concurrency).
+  int copy_threads = 0;
 };
+
+// Graphs a CUDA backend keeps (CudaBackendOptions::graph_max_tokens).
+inline constexpr int kMaxCudaGraphs = 64;
+
+// How a CUDA backend ran its batches so far (tests and benchmarks): kernels launched one by one,
+// graphs captured (each also runs its batch) and graph replays.
+struct CudaBackendCounters {
+  int64_t eager_runs = 0;
+  int64_t graph_captures = 0;
+  int64_t graph_replays = 0;
+  int64_t pinned_runs = 0;  // Runs whose copies went through the pinned buffer
+};
+// The counters of `backend` when it is a CUDA backend, else all zero.
+CudaBackendCounters GetCudaBackendCounters(const ExpertBackend& backend);
 
 // FAILED_PRECONDITION with the reason when the binary has no CUDA or no device is present.
 absl::StatusOr<std::unique_ptr<ExpertBackend>> MakeCudaExpertBackend(

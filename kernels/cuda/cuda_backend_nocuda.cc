@@ -7,4 +7,6 @@ absl::StatusOr<std::unique_ptr<ExpertBackend>> MakeCudaExpertBackend(const CudaB
   return absl::FailedPreconditionError("--backend=cuda: built without CUDA (--config=nocuda)");
 }
 
+CudaBackendCounters GetCudaBackendCounters(const ExpertBackend&) { return {}; }
+
 }  // namespace moe

@@ -4,6 +4,8 @@
 // copy; weights never prepared are refused; requests from several threads while a new version is
 // uploaded all match. Needs a GPU (tag "gpu"): skipped without one.
 #include <cmath>
+#include <cstring>
+#include <tuple>
 #include <memory>
 #include <string>
 #include <thread>
@@ -128,6 +130,111 @@ TEST(CudaBackendVersionsTest, RunsDuringAnUploadStayCorrect) {
   EXPECT_TRUE(s.ok()) << s;
   std::printf("during upload: %d runs ok, %d refused after eviction\n", ok, refused);
 }
+
+// A shape's second batch is captured as a CUDA graph and later batches of that shape replay it
+// with their own inputs: every Run matches the CPU reference, the captured Run is bitwise the
+// eager one, and the counters show captures and replays. Direct routes (T = 1), grouped items
+// (T = 7), the tiled kernel and the wgmma kernel (T = 64 over 8 experts: ~32 routes per slot,
+// wgmma from 33); pinned or pageable copies, poisoned scratch or not, BF16 or F32 in and out.
+class GraphReplayTest
+    : public ::testing::TestWithParam<std::tuple<bool, bool, bool, bool>> {};
+
+TEST_P(GraphReplayTest, ServesNewInputs) {
+  const auto [pinned, poison, f32, programmatic] = GetParam();
+  CudaBackendOptions options;
+  options.programmatic_launch = programmatic;
+  if (!pinned) options.pinned_staging_bytes = 0;
+  options.poison_scratch = poison;
+  absl::StatusOr<std::unique_ptr<ExpertBackend>> made = MakeCudaExpertBackend(options);
+  if (!made.ok()) GTEST_SKIP() << made.status();
+  ExpertBackend* b = made->get();
+  const std::unique_ptr<OwnedLayer> layer = Layer(77);
+  {
+    ASSERT_TRUE(b->PrepareLayer(2, layer->layer).ok());
+    for (int64_t tokens : {1, 2, 7, 64}) {
+      cpu::RandomRequestSpec spec;
+      spec.tokens = tokens;
+      spec.top_k = 4;
+      spec.in_dtype = f32 ? DType::kF32 : DType::kBF16;
+      spec.out_dtype = f32 ? DType::kF32 : DType::kBF16;
+      spec.not_local = tokens == 7 ? 0.25 : 0.0;
+      std::vector<uint16_t> eager_out;
+      for (int run = 0; run < 6; ++run) {
+        // Runs 0-2: one routing (eager, captured, replayed); run 2 with new hidden states and
+        // weights. Runs 3-5: new routings of the same size (replayed when the rounded item
+        // grid matches, captured otherwise).
+        spec.seed = 1000 * tokens + (run < 2 ? 0 : run);
+        OwnedRequest got = MakeRandomRequest(layer->layer, spec);
+        if (run == 2) {
+          const OwnedRequest routes = MakeRandomRequest(layer->layer, [&] {
+            cpu::RandomRequestSpec first = spec;
+            first.seed = 1000 * tokens;
+            return first;
+          }());
+          got.ids = routes.ids;  // same routing as runs 0-1, new values
+        }
+        OwnedRequest want = got;
+        got.Poison();
+        want.Poison();
+        ASSERT_TRUE(b->Run(2, layer->layer, got.Request()).ok());
+        ASSERT_TRUE(RunExpertsReference(layer->layer, want.Request()).ok());
+        EXPECT_LE(RelErr(got, want, tokens * layer->layer.hidden), 1e-2)
+            << "T=" << tokens << " run " << run;
+        std::vector<uint16_t> bits = got.out_bf16;
+        if (f32) {
+          bits.resize(got.out_f32.size() * 2);
+          std::memcpy(bits.data(), got.out_f32.data(), bits.size() * 2);
+        }
+        if (run == 0) eager_out = bits;
+        if (run == 1) EXPECT_EQ(bits, eager_out) << "captured run differs, T=" << tokens;
+      }
+    }
+    const CudaBackendCounters n = GetCudaBackendCounters(*b);
+    std::printf("graphs: eager %lld, captures %lld, replays %lld, pinned %lld\n",
+                static_cast<long long>(n.eager_runs), static_cast<long long>(n.graph_captures),
+                static_cast<long long>(n.graph_replays), static_cast<long long>(n.pinned_runs));
+    EXPECT_GE(n.graph_captures, 4);  // one per token count at least
+    EXPECT_GE(n.graph_replays, 4);   // run 2 of each token count at least
+    EXPECT_EQ(n.eager_runs + n.graph_captures + n.graph_replays, 24);
+    EXPECT_EQ(n.pinned_runs, pinned ? 24 : 0);
+  }
+}
+
+// Inputs and outputs over one copy piece (4 MB): the pinned copies go piece by piece, the host
+// filling or emptying one piece while the DMA engine moves another; pageable copies in one go.
+TEST(CudaBackendVersionsTest, LargeBatchesCopyPieceByPiece) {
+  const std::unique_ptr<OwnedLayer> layer = Layer(88);
+  for (int64_t pinned_bytes : {int64_t{64} << 20, int64_t{0}}) {
+    CudaBackendOptions options;
+    options.pinned_staging_bytes = pinned_bytes;
+    absl::StatusOr<std::unique_ptr<ExpertBackend>> made = MakeCudaExpertBackend(options);
+    if (!made.ok()) GTEST_SKIP() << made.status();
+    ExpertBackend& b = **made;
+    ASSERT_TRUE(b.PrepareLayer(0, layer->layer).ok());
+    for (uint64_t seed : {5, 6}) {
+      cpu::RandomRequestSpec spec;
+      spec.tokens = 4608;  // F32 [4608, 256]: 4.7 MB in and out
+      spec.top_k = 4;
+      spec.in_dtype = DType::kF32;
+      spec.out_dtype = DType::kF32;
+      spec.seed = seed;
+      OwnedRequest got = MakeRandomRequest(layer->layer, spec);
+      OwnedRequest want = got;
+      got.Poison();
+      want.Poison();
+      ASSERT_TRUE(b.Run(0, layer->layer, got.Request()).ok());
+      ASSERT_TRUE(RunExpertsReference(layer->layer, want.Request()).ok());
+      EXPECT_LE(RelErr(got, want, spec.tokens * layer->layer.hidden), 1e-2)
+          << "pinned " << pinned_bytes << " seed " << seed;
+    }
+    EXPECT_EQ(GetCudaBackendCounters(b).pinned_runs, pinned_bytes > 0 ? 2 : 0);
+  }
+}
+
+// (pinned staging, poisoned scratch, F32 in and out instead of BF16, programmatic launch).
+INSTANTIATE_TEST_SUITE_P(Forms, GraphReplayTest,
+                         ::testing::Combine(::testing::Bool(), ::testing::Bool(),
+                                            ::testing::Bool(), ::testing::Bool()));
 
 }  // namespace
 }  // namespace moe

@@ -1,6 +1,7 @@
 #include "kernels/cuda/expert_runner.h"
 
 #include <algorithm>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -229,7 +230,9 @@ absl::Status ExpertRunner::Reserve(const DeviceExpertLayer& layer, const RoutePl
       {x_staged_, static_cast<size_t>(plan.tokens * layer.hidden_chunks * 64 * 2)},
       {slot_token_, routes * 4},
       {slot_route_, routes * 4},
-      {items_, static_cast<size_t>(std::max<int64_t>(plan.num_items, 1)) * sizeof(ExpertItem)},
+      {items_, static_cast<size_t>(std::max<int64_t>(
+                   round_item_grid_ ? RoundedItemGrid(plan.num_items) : plan.num_items, 1)) *
+                   sizeof(ExpertItem)},
       {num_items_, 4},
       // Direct routes use one act row per y row.
       {act_, std::max<size_t>(routes, static_cast<size_t>(std::max<int64_t>(plan.y_rows, 1))) *
@@ -237,9 +240,13 @@ absl::Status ExpertRunner::Reserve(const DeviceExpertLayer& layer, const RoutePl
       {y_, static_cast<size_t>(std::max<int64_t>(plan.y_rows, 1) * layer.hidden) * 4},
   };
   for (const auto& w : wants) {
+    const void* before = w.buf.get();
     if (absl::Status s = w.buf.Reserve(w.bytes); !s.ok()) return s;
+    if (w.buf.get() != before) ++scratch_generation_;
   }
   const size_t group_words = GroupScratchWords(layer.num_experts + layer.num_shared);
+  const void* group_before = group_scratch_.get();
+  const void* fold_before = fold_counters_.get();
   if (absl::Status s = ReserveZeroed(group_scratch_, group_words * 4, "group scratch"); !s.ok()) {
     return s;
   }
@@ -248,6 +255,9 @@ absl::Status ExpertRunner::Reserve(const DeviceExpertLayer& layer, const RoutePl
       static_cast<size_t>((layer.hidden + kFoldRowsPerBlock - 1) / kFoldRowsPerBlock) * 4;
   if (absl::Status s = ReserveZeroed(fold_counters_, counters, "fold counters"); !s.ok()) {
     return s;
+  }
+  if (group_scratch_.get() != group_before || fold_counters_.get() != fold_before) {
+    ++scratch_generation_;
   }
   return absl::OkStatus();
 }
@@ -294,16 +304,66 @@ ExpertGemmParams GemmParams(const DeviceGemmWeights& w, const DeviceExpertLayer&
 
 }  // namespace
 
+int64_t ExpertRunner::RoundedItemGrid(int64_t items) {
+  if (items <= 16) return items;
+  int log2 = 0;
+  while ((items >> (log2 + 1)) != 0) ++log2;
+  const int64_t step = int64_t{1} << (log2 - 3);
+  return (items + step - 1) / step * step;
+}
+
+ExpertRunner::Decisions ExpertRunner::Decide(const DeviceExpertLayer& layer,
+                                             const DeviceBatch& batch,
+                                             const RoutePlan& given_plan) const {
+  Decisions d;
+  // The wgmma kernel's larger items: never more items than the given plan, so the scratch sized
+  // for it (Reserve before capture) suffices.
+  d.wgmma = wgmma_min_tokens_ > 0 && given_plan.max_count >= wgmma_min_tokens_ &&
+            given_plan.token_groups <= kWgmmaTokenGroups;
+  d.plan = d.wgmma ? WithTokenGroups(given_plan, kWgmmaTokenGroups) : given_plan;
+  const RoutePlan& plan = d.plan;
+  d.few = direct_ && plan.max_count <= 1 && plan.token_groups == 1;
+  d.variant = variant_;
+  if (d.variant == kAutoGemmVariant) {
+    // Items of 32+ tokens: the tiled kernel with the bulk weight ring in groups of 4, empty
+    // token groups skipped (A 512: 736 us against 785 without the skip and 915 for the register
+    // ring, NOTES-cuda.md).
+    d.variant = plan.token_groups >= 4 ? 8 : d.few ? 6 : 12;
+  }
+  d.direct = d.few && GemmUsesStreamingKernel(plan.token_groups, d.variant);
+  // Folded combine: direct routes; grouped routes (bulk-copy variants only) when asked
+  // (set_fold_grouped: measured slower, e.g. problem C at 64 tokens 153.7 vs 125.9 us).
+  d.fold = fold_ && GemmCanFoldCombine(plan.token_groups, d.variant) &&
+           (d.direct || (fold_grouped_ && GemmUsesBulkCopies(plan.token_groups, d.variant)));
+  // The wgmma kernel reads B rows in natural order, so BF16 hidden rows of whole chunks serve as
+  // GEMM1's B rows in place: the prologue then stages nothing and only groups the routes.
+  d.hidden_in_place = d.wgmma && hidden_in_place_ && batch.hidden_bf16 &&
+                      layer.hidden == layer.hidden_chunks * 64 &&
+                      reinterpret_cast<uintptr_t>(batch.hidden) % 16 == 0;
+  d.l2_ahead = d.wgmma && wgmma_l2_ahead_ && WgmmaStagesEpilogue(d.variant);
+  d.grid_items = d.direct              ? plan.y_rows
+                 : round_item_grid_ ? RoundedItemGrid(plan.num_items)
+                                    : plan.num_items;
+  return d;
+}
+
+std::string ExpertRunner::ShapeKey(const DeviceExpertLayer& layer, const DeviceBatch& batch,
+                                   const RoutePlan& plan) const {
+  const Decisions d = Decide(layer, batch, plan);
+  return absl::StrCat(reinterpret_cast<uintptr_t>(&layer), ":", plan.tokens, ":", plan.top_k,
+                      ":", plan.num_shared, ":", d.plan.token_groups, ":", d.variant, ":",
+                      d.wgmma, d.few, d.direct, d.fold, d.hidden_in_place, d.l2_ahead, ":",
+                      d.grid_items, ":", batch.hidden_bf16, batch.out_bf16,
+                      batch.shared_mask != nullptr);
+}
+
 absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceBatch& batch,
                                    const RoutePlan& given_plan, cudaStream_t stream) {
   if (given_plan.tokens == 0) return absl::OkStatus();
   if (absl::Status s = Reserve(layer, given_plan); !s.ok()) return s;
-  // The wgmma kernel's larger items: never more items than the given plan, so the scratch sized
-  // for it (Reserve before capture) suffices.
-  const bool wgmma = wgmma_min_tokens_ > 0 && given_plan.max_count >= wgmma_min_tokens_ &&
-                     given_plan.token_groups <= kWgmmaTokenGroups;
-  const RoutePlan& plan =
-      wgmma ? WithTokenGroups(given_plan, kWgmmaTokenGroups) : given_plan;
+  const Decisions d = Decide(layer, batch, given_plan);
+  const RoutePlan& plan = d.plan;
+  const bool wgmma = d.wgmma;
   if (poison_) {
     for (DeviceBuffer* b : {&x_staged_, &act_, &y_}) {
       if (absl::Status s = CudaStatus(cudaMemsetAsync(b->get(), 0xFF, b->size(), stream),
@@ -314,19 +374,9 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
     }
   }
   if (absl::Status s = Mark(0, stream); !s.ok()) return s;
-  const bool few = direct_ && plan.max_count <= 1 && plan.token_groups == 1;
-  int variant = variant_;
-  if (variant == kAutoGemmVariant) {
-    // Items of 32+ tokens: the tiled kernel with the bulk weight ring in groups of 4, empty
-    // token groups skipped (A 512: 736 us against 785 without the skip and 915 for the register
-    // ring, NOTES-cuda.md).
-    variant = plan.token_groups >= 4 ? 8 : few ? 6 : 12;
-  }
-  const bool direct = few && GemmUsesStreamingKernel(plan.token_groups, variant);
-  // Folded combine: direct routes; grouped routes (bulk-copy variants only) when asked
-  // (set_fold_grouped: measured slower, e.g. problem C at 64 tokens 153.7 vs 125.9 us).
-  const bool fold = fold_ && GemmCanFoldCombine(plan.token_groups, variant) &&
-                    (direct || (fold_grouped_ && GemmUsesBulkCopies(plan.token_groups, variant)));
+  const int variant = d.variant;
+  const bool direct = d.direct;
+  const bool fold = d.fold;
   ExpertPrologueParams pro = PrologueParams(layer, batch, plan);
   pro.group_routes = !direct;
   if (fold) {
@@ -340,13 +390,9 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   pro.group_scratch = group_scratch_.as<int32_t>();
   pro.num_items = num_items_.as<int32_t>();
   pro.natural_order = wgmma;
-  // The wgmma kernel reads B rows in natural order, so BF16 hidden rows of whole chunks serve as
-  // GEMM1's B rows in place: the prologue then stages nothing and only groups the routes.
-  const bool hidden_in_place =
-      wgmma && hidden_in_place_ && batch.hidden_bf16 && layer.hidden == layer.hidden_chunks * 64 &&
-      reinterpret_cast<uintptr_t>(batch.hidden) % 16 == 0;
+  const bool hidden_in_place = d.hidden_in_place;
   pro.stage_hidden = !hidden_in_place;
-  const bool l2_ahead = wgmma && wgmma_l2_ahead_ && WgmmaStagesEpilogue(variant);
+  const bool l2_ahead = d.l2_ahead;
   if (absl::Status s = CudaStatus(LaunchExpertPrologue(pro, stream), "expert prologue");
       !s.ok()) {
     return s;
@@ -357,7 +403,7 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   launch.format = layer.format;
   launch.token_groups = plan.token_groups;
   launch.variant = variant;
-  launch.num_items = static_cast<int>(direct ? plan.y_rows : plan.num_items);
+  launch.num_items = static_cast<int>(d.grid_items);
   // Stage events sit between the kernels, so the kernels cannot overlap while they are timed.
   launch.programmatic = programmatic_ && stage_events_ == nullptr;
   ExpertGemmParams g1 = GemmParams(layer.w13, layer, pro.items, pro.num_items);

@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -106,6 +107,23 @@ class ExpertRunner {
   [[nodiscard]] absl::Status Enqueue(const DeviceExpertLayer& layer, const DeviceBatch& batch,
                                      const RoutePlan& plan, cudaStream_t stream);
 
+  // What the launches of Enqueue(layer, batch, plan) depend on besides the contents of the
+  // device buffers: the layer, the shapes, the kernels and variants picked for the plan, the grid
+  // and the batch's dtypes. Two batches with equal keys, the same device pointers and the same
+  // scratch_generation() enqueue identical launches, so a CUDA graph captured from one replays
+  // the other (with the other's inputs in the same buffers).
+  std::string ShapeKey(const DeviceExpertLayer& layer, const DeviceBatch& batch,
+                       const RoutePlan& plan) const;
+  // Incremented whenever Reserve reallocates a scratch buffer (captured graphs then hold stale
+  // pointers).
+  uint64_t scratch_generation() const { return scratch_generation_; }
+  // Grids of grouped routes sized for RoundedItemGrid(plan.num_items) items instead of exactly
+  // plan.num_items (the CTAs past the device's item count return at once), so that batches of
+  // one size with slightly different routings share a key (and a graph). Off by default.
+  void set_round_item_grid(bool on) { round_item_grid_ = on; }
+  // items rounded up to a multiple of 2^(floor(log2 items) - 3) above 16 (at most 1/8 more).
+  static int64_t RoundedItemGrid(int64_t items);
+
   // Test aid: fill the intermediate buffers with NaN before each Enqueue, so that an element a
   // kernel forgets to write reaches the output instead of a stale value.
   void set_poison_scratch(bool on) { poison_ = on; }
@@ -160,7 +178,24 @@ class ExpertRunner {
   void set_wgmma_l2_ahead(bool on) { wgmma_l2_ahead_ = on; }
 
  private:
+  // The per-batch choices of Enqueue, from the plan and the runner's settings.
+  struct Decisions {
+    bool wgmma = false;
+    RoutePlan plan;  // the plan with the kernel's token tile
+    bool few = false;
+    int variant = 0;
+    bool direct = false;
+    bool fold = false;
+    bool hidden_in_place = false;
+    bool l2_ahead = false;
+    int64_t grid_items = 0;  // GemmLaunch::num_items
+  };
+  Decisions Decide(const DeviceExpertLayer& layer, const DeviceBatch& batch,
+                   const RoutePlan& given_plan) const;
   absl::Status Mark(int stage, cudaStream_t stream) const;
+
+  bool round_item_grid_ = false;
+  uint64_t scratch_generation_ = 0;
 
   bool poison_ = false;
   bool programmatic_ = true;
