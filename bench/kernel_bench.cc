@@ -234,7 +234,8 @@ double TargetFor(char problem, int64_t tokens) {
 // CudaExpertBackend::Run wall time (host inputs in, host output back) at each of
 // --backend_tokens: the defaults (CUDA graphs for repeated shapes, one pinned staging buffer
 // filled and emptied by several threads) against launches one by one with pageable per-tensor
-// copies and against the defaults with one copy thread, in alternating rounds over 8
+// copies, the defaults with one copy thread and the defaults without graphs, in alternating
+// rounds over 8
 // routings per token count (so the graphs see several item counts). Returns the JSON rows.
 nlohmann::json TimeBackend(const ProblemLayer& problem) {
   nlohmann::json rows = nlohmann::json::array();
@@ -245,12 +246,15 @@ nlohmann::json TimeBackend(const ProblemLayer& problem) {
   plain_options.pinned_staging_bytes = 0;
   CudaBackendOptions one_thread_options;
   one_thread_options.copy_threads = 1;
+  CudaBackendOptions no_graph_options;
+  no_graph_options.graph_max_tokens = 0;
   const struct {
     const char* name;
     CudaBackendOptions options;
   } configs[] = {{"default", CudaBackendOptions{}},
                  {"eager_pageable", plain_options},
-                 {"pinned_one_copy_thread", one_thread_options}};
+                 {"pinned_one_copy_thread", one_thread_options},
+                 {"pinned_eager", no_graph_options}};
   std::vector<std::unique_ptr<ExpertBackend>> backends;
   for (const auto& c : configs) {
     absl::StatusOr<std::unique_ptr<ExpertBackend>> b = MakeCudaExpertBackend(c.options);
@@ -614,7 +618,9 @@ int Main() {
          "--backend_rounds alternating rounds x --backend_runs runs cycling over 8 routings; "
          "default: CUDA graphs for repeated shapes + one pinned staging buffer, host copies on "
          "CudaBackendOptions::copy_threads threads; eager_pageable: kernels launched one by one, "
-         "pageable per-tensor copies; pinned_one_copy_thread: the default with one copy thread"},
+         "pageable per-tensor copies; pinned_one_copy_thread: the default with one copy thread; "
+         "pinned_eager: the default without graphs (kernels launched one by one, programmatic "
+         "dependent launch on)"},
         {"rows", TimeBackend(problem)}}}};
   WriteJson(absl::GetFlag(FLAGS_out_json), out);
   return 0;

@@ -44,9 +44,12 @@ struct CudaBackendOptions {
   bool wgmma_l2_ahead = false;
   // Batches of up to this many tokens run their kernels as a CUDA graph: the second batch of a
   // shape (ExpertRunner::ShapeKey, with the item grid rounded up by at most 1/8) captures one,
-  // later ones replay it, so a Run costs one graph launch instead of four kernel launches. At
-  // most kMaxCudaGraphs graphs are kept (least recently used goes). 0: never.
-  int graph_max_tokens = 512;
+  // later ones replay it, so a Run costs one graph launch instead of three or four kernel
+  // launches. Graphs are captured without programmatic dependent launch (with it they raced,
+  // NOTES-cuda.md), which costs more than the launches save from 8 tokens on (H200: A 8 151.7
+  // vs 138.6 us per Run, A 1 49.0 vs 52.1). At most kMaxCudaGraphs graphs are kept (least
+  // recently used goes). 0: never.
+  int graph_max_tokens = 4;
   // Programmatic dependent launch between the kernels of a batch (ExpertRunner::
   // set_programmatic_launch).
   bool programmatic_launch = true;
