@@ -248,13 +248,17 @@ nlohmann::json TimeBackend(const ProblemLayer& problem) {
   one_thread_options.copy_threads = 1;
   CudaBackendOptions no_graph_options;
   no_graph_options.graph_max_tokens = 0;
+  CudaBackendOptions pdl_graph_options;
+  pdl_graph_options.graph_max_tokens = 512;
+  pdl_graph_options.graph_programmatic_launch = true;
   const struct {
     const char* name;
     CudaBackendOptions options;
   } configs[] = {{"default", CudaBackendOptions{}},
                  {"eager_pageable", plain_options},
                  {"pinned_one_copy_thread", one_thread_options},
-                 {"pinned_eager", no_graph_options}};
+                 {"pinned_eager", no_graph_options},
+                 {"graphs_pdl_512", pdl_graph_options}};
   std::vector<std::unique_ptr<ExpertBackend>> backends;
   for (const auto& c : configs) {
     absl::StatusOr<std::unique_ptr<ExpertBackend>> b = MakeCudaExpertBackend(c.options);
@@ -620,7 +624,8 @@ int Main() {
          "CudaBackendOptions::copy_threads threads; eager_pageable: kernels launched one by one, "
          "pageable per-tensor copies; pinned_one_copy_thread: the default with one copy thread; "
          "pinned_eager: the default without graphs (kernels launched one by one, programmatic "
-         "dependent launch on)"},
+         "dependent launch on); graphs_pdl_512: graphs up to 512 tokens captured with "
+         "programmatic dependent launch"},
         {"rows", TimeBackend(problem)}}}};
   WriteJson(absl::GetFlag(FLAGS_out_json), out);
   return 0;

@@ -409,11 +409,8 @@ absl::Status CudaExpertBackend::EnqueueKernels(const cuda::DeviceExpertLayer& la
       !s.ok()) {
     return s;
   }
-  // Captured without programmatic dependent launch: with it, graphs of direct-route batches
-  // (T = 1) read intermediate data before it was written (H200, cuda_backend_versions_test:
-  // mostly with F32 hidden states, once with BF16; eager launches with it are correct;
-  // NOTES-cuda.md).
-  runner_.set_programmatic_launch(false);
+  runner_.set_programmatic_launch(options_.programmatic_launch &&
+                                  options_.graph_programmatic_launch);
   const absl::Status enqueued = runner_.Enqueue(layer, batch, plan, stream_);
   runner_.set_programmatic_launch(options_.programmatic_launch);
   cudaGraph_t graph = nullptr;

@@ -45,14 +45,15 @@ struct CudaBackendOptions {
   // Batches of up to this many tokens run their kernels as a CUDA graph: the second batch of a
   // shape (ExpertRunner::ShapeKey, with the item grid rounded up by at most 1/8) captures one,
   // later ones replay it, so a Run costs one graph launch instead of three or four kernel
-  // launches. Graphs are captured without programmatic dependent launch (with it they raced,
-  // NOTES-cuda.md), which costs more than the launches save from 8 tokens on (H200: A 8 151.7
-  // vs 138.6 us per Run, A 1 49.0 vs 52.1). At most kMaxCudaGraphs graphs are kept (least
-  // recently used goes). 0: never.
+  // launches. That pays at one token (H200, problem C: 35.3 vs 41.9 us per Run); from 8 tokens
+  // on graphs measured no better than launches with programmatic launch (NOTES-cuda.md). At most
+  // kMaxCudaGraphs graphs are kept (least recently used goes). 0: never.
   int graph_max_tokens = 4;
   // Programmatic dependent launch between the kernels of a batch (ExpertRunner::
   // set_programmatic_launch).
   bool programmatic_launch = true;
+  // Graphs captured with programmatic dependent launch as well (when programmatic_launch is on).
+  bool graph_programmatic_launch = true;
   // Inputs and output of batches of up to this many bytes in all go through one pinned host
   // buffer: the host copies into and out of it run on copy_threads threads, then one
   // host-to-device and one device-to-host copy per Run, instead of one pageable copy per tensor

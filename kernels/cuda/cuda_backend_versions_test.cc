@@ -144,6 +144,7 @@ TEST_P(GraphReplayTest, ServesNewInputs) {
   CudaBackendOptions options;
   options.graph_max_tokens = 512;  // every size below through graphs (the default stops at 4)
   options.programmatic_launch = programmatic;
+  options.graph_programmatic_launch = programmatic;
   if (!pinned) options.pinned_staging_bytes = 0;
   options.poison_scratch = poison;
   absl::StatusOr<std::unique_ptr<ExpertBackend>> made = MakeCudaExpertBackend(options);

@@ -36,21 +36,21 @@ __device__ __forceinline__ void LoadY(const ExpertCombineParams& p, int64_t row,
 #pragma unroll
     for (int v = 0; v < V; v += 4) {
       const float4 y =
-          __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.y) + at + v));
+          __ldcg(reinterpret_cast<const float4*>(static_cast<const float*>(p.y) + at + v));
       out[v] = y.x;
       out[v + 1] = y.y;
       out[v + 2] = y.z;
       out[v + 3] = y.w;
     }
   } else if constexpr (V == 8) {
-    const uint4 y = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.y) + at));
+    const uint4 y = __ldcg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.y) + at));
     Bf16x2ToFloats(y.x, out);
     Bf16x2ToFloats(y.y, out + 2);
     Bf16x2ToFloats(y.z, out + 4);
     Bf16x2ToFloats(y.w, out + 6);
   } else {
     static_assert(V == 4);
-    const uint2 y = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(p.y) + at));
+    const uint2 y = __ldcg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(p.y) + at));
     Bf16x2ToFloats(y.x, out);
     Bf16x2ToFloats(y.y, out + 2);
   }

@@ -76,6 +76,24 @@ __device__ __forceinline__ void LoadIf(bool pred, const uint4* p, uint4& r) {
       : "+r"(r.x), "+r"(r.y), "+r"(r.z), "+r"(r.w)
       : "l"(p), "r"(static_cast<int>(pred)));
 }
+// The same through the coherent path (no .nc): for data that the previous kernel in the stream
+// writes. Under programmatic launch a kernel starts while its predecessor still runs, so those
+// data are not read-only for its lifetime, which ld.global.nc requires; griddepcontrol.wait makes
+// the predecessor's writes visible to ordinary loads.
+__device__ __forceinline__ void LoadCoherentIf(bool pred, const uint4* p, uint4& r) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+      " @p ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
+      : "+r"(r.x), "+r"(r.y), "+r"(r.z), "+r"(r.w)
+      : "l"(p), "r"(static_cast<int>(pred)));
+}
+__device__ __forceinline__ uint4 LoadCoherent(const uint4* p) {
+  uint4 r;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
 __device__ __forceinline__ void LoadIf(bool pred, const uint32_t* p, uint32_t& r) {
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p ld.global.nc.u32 %0, [%1];\n}"
@@ -238,8 +256,8 @@ __device__ __forceinline__ void DequantStep(const uint4& v, const typename Fmt::
 __device__ __forceinline__ void LoadBIf(bool pred, const uint4* b_row, int chunk, uint4 (&b)[2]) {
   const bool load = pred && b_row != nullptr;
   const uint4* at = b_row + chunk * kActChunkVectors;
-  LoadIf(load, at, b[0]);
-  LoadIf(load, at + 1, b[1]);
+  LoadCoherentIf(load, at, b[0]);  // written by the previous kernel (prologue or GEMM1)
+  LoadCoherentIf(load, at + 1, b[1]);
 }
 
 // B registers of a two-chunk ping-pong, zeroed, with chunk `chunk` loaded into the first half.
@@ -314,7 +332,7 @@ __device__ __forceinline__ void MultiplyChunk(const uint4 (&v)[RW],
     uint4 b[G];
 #pragma unroll
     for (int q = 0; q < G; ++q) {
-      b[q] = b_rows[q] != nullptr ? __ldg(b_rows[q] + chunk * kActChunkVectors + u)
+      b[q] = b_rows[q] != nullptr ? LoadCoherent(b_rows[q] + chunk * kActChunkVectors + u)
                                   : make_uint4(0u, 0u, 0u, 0u);
     }
     MultiplyHalfChunk<Fmt, RW, G>(v, s, u, b, acc);
