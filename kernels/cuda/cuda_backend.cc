@@ -27,6 +27,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "glog/logging.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/expert_kernels.h"
@@ -178,6 +179,12 @@ class CudaExpertBackend final : public ExpertBackend {
   // Pieces of the pinned copies: the host copies one while the DMA engine moves the previous.
   static constexpr size_t kCopyPieceBytes = size_t{4} << 20;
   static constexpr size_t kMaxSeenShapes = 4096;
+  // seen_ value of a shape that runs eagerly from now on (its capture failed).
+  static constexpr int kNoGraph = -(1 << 30);
+  // Captures the kernels of this batch into *exec (instantiated); nothing runs.
+  absl::Status Capture(const cuda::DeviceExpertLayer& layer, const cuda::DeviceBatch& batch,
+                       const cuda::RoutePlan& plan, cudaGraphExec_t* exec)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
   // Enqueues the kernels: eagerly, or through a graph captured for the batch's shape.
   absl::Status EnqueueKernels(const cuda::DeviceExpertLayer& layer, const cuda::DeviceBatch& batch,
                               const cuda::RoutePlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
@@ -370,6 +377,31 @@ void CudaExpertBackend::ClearGraphs() {
   seen_.clear();
 }
 
+absl::Status CudaExpertBackend::Capture(const cuda::DeviceExpertLayer& layer,
+                                        const cuda::DeviceBatch& batch,
+                                        const cuda::RoutePlan& plan, cudaGraphExec_t* exec) {
+  if (absl::Status s = CudaStatus(
+          cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "graph capture");
+      !s.ok()) {
+    return s;
+  }
+  runner_.set_programmatic_launch(options_.programmatic_launch &&
+                                  options_.graph_programmatic_launch);
+  const absl::Status enqueued = runner_.Enqueue(layer, batch, plan, stream_);
+  runner_.set_programmatic_launch(options_.programmatic_launch);
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
+  if (!enqueued.ok() || ended != cudaSuccess || options_.test_fail_graph_capture) {
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    if (!enqueued.ok()) return enqueued;
+    if (ended != cudaSuccess) return CudaStatus(ended, "graph capture");
+    return absl::InternalError("graph capture failed (test_fail_graph_capture)");
+  }
+  const cudaError_t made = cudaGraphInstantiate(exec, graph, 0);
+  cudaGraphDestroy(graph);
+  return CudaStatus(made, "graph instantiate");
+}
+
 absl::Status CudaExpertBackend::EnqueueKernels(const cuda::DeviceExpertLayer& layer,
                                                const cuda::DeviceBatch& batch,
                                                const cuda::RoutePlan& plan) {
@@ -400,30 +432,23 @@ absl::Status CudaExpertBackend::EnqueueKernels(const cuda::DeviceExpertLayer& la
   }
   // A server's batch sizes can take many values: the record of shapes seen once stays bounded.
   if (seen_.size() >= kMaxSeenShapes) seen_.clear();
-  if (seen_[key]++ == 0) {  // first batch of this shape: no capture for one-off shapes
+  int& sightings = seen_[key];
+  // First batch of this shape (no capture for one-off shapes), or a shape whose capture failed.
+  if (sightings++ <= 0) {
     ++counters_.eager_runs;
     return runner_.Enqueue(layer, batch, plan, stream_);
   }
-  if (absl::Status s = CudaStatus(
-          cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "graph capture");
-      !s.ok()) {
-    return s;
-  }
-  runner_.set_programmatic_launch(options_.programmatic_launch &&
-                                  options_.graph_programmatic_launch);
-  const absl::Status enqueued = runner_.Enqueue(layer, batch, plan, stream_);
-  runner_.set_programmatic_launch(options_.programmatic_launch);
-  cudaGraph_t graph = nullptr;
-  const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
-  if (!enqueued.ok() || ended != cudaSuccess) {
-    if (graph != nullptr) cudaGraphDestroy(graph);
-    if (!enqueued.ok()) return enqueued;
-    return CudaStatus(ended, "graph capture");
-  }
   cudaGraphExec_t exec = nullptr;
-  const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
-  cudaGraphDestroy(graph);
-  if (absl::Status s = CudaStatus(made, "graph instantiate"); !s.ok()) return s;
+  if (absl::Status s = Capture(layer, batch, plan, &exec); !s.ok()) {
+    // A graph is an optimization: the batch runs eagerly, and this shape always will (until the
+    // graphs are dropped). A launch error of the batch itself shows again in the eager run.
+    LOG(WARNING) << "cuda backend: no CUDA graph for this batch shape, running it eagerly: " << s;
+    cudaGetLastError();  // clears a non-sticky error the capture left
+    sightings = kNoGraph;
+    ++counters_.capture_failures;
+    ++counters_.eager_runs;
+    return runner_.Enqueue(layer, batch, plan, stream_);
+  }
   if (graphs_.size() >= static_cast<size_t>(kMaxCudaGraphs)) {
     auto oldest = graphs_.begin();
     for (auto it = graphs_.begin(); it != graphs_.end(); ++it) {

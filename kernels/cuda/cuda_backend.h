@@ -63,6 +63,9 @@ struct CudaBackendOptions {
   // Host threads of the copies into and out of the pinned buffer (tensors of 256 KB and more are
   // split between them); 0: min(8, hardware concurrency).
   int copy_threads = 0;
+  // Tests only: every graph capture fails, as a failed instantiation would (the batch then runs
+  // eagerly, and so does its shape from then on).
+  bool test_fail_graph_capture = false;
 };
 
 // Graphs a CUDA backend keeps (CudaBackendOptions::graph_max_tokens).
@@ -75,6 +78,7 @@ struct CudaBackendCounters {
   int64_t graph_captures = 0;
   int64_t graph_replays = 0;
   int64_t pinned_runs = 0;  // Runs whose copies went through the pinned buffer
+  int64_t capture_failures = 0;  // captures that failed (those batches ran eagerly)
 };
 // The counters of `backend` when it is a CUDA backend, else all zero.
 CudaBackendCounters GetCudaBackendCounters(const ExpertBackend& backend);

@@ -236,6 +236,36 @@ TEST(CudaBackendVersionsTest, LargeBatchesCopyPieceByPiece) {
   }
 }
 
+// A failed capture costs the graph, not the batch: it runs eagerly, and so does its shape later.
+TEST(CudaBackendVersionsTest, FailedCaptureRunsEagerly) {
+  CudaBackendOptions options;
+  options.test_fail_graph_capture = true;
+  absl::StatusOr<std::unique_ptr<ExpertBackend>> made = MakeCudaExpertBackend(options);
+  if (!made.ok()) GTEST_SKIP() << made.status();
+  ExpertBackend& b = **made;
+  const std::unique_ptr<OwnedLayer> layer = Layer(99);
+  ASSERT_TRUE(b.PrepareLayer(0, layer->layer).ok());
+  for (uint64_t seed : {1, 1, 2, 3}) {  // one shape: first sight, failed capture, then eager
+    cpu::RandomRequestSpec spec;
+    spec.tokens = 1;
+    spec.top_k = 4;
+    spec.not_local = 0.0;
+    spec.seed = seed;
+    OwnedRequest got = MakeRandomRequest(layer->layer, spec);
+    OwnedRequest want = got;
+    got.Poison();
+    want.Poison();
+    ASSERT_TRUE(b.Run(0, layer->layer, got.Request()).ok());
+    ASSERT_TRUE(RunExpertsReference(layer->layer, want.Request()).ok());
+    EXPECT_LE(RelErr(got, want, spec.tokens * layer->layer.hidden), 1e-2) << "seed " << seed;
+  }
+  const CudaBackendCounters n = GetCudaBackendCounters(b);
+  EXPECT_EQ(n.capture_failures, 1);
+  EXPECT_EQ(n.graph_captures, 0);
+  EXPECT_EQ(n.graph_replays, 0);
+  EXPECT_EQ(n.eager_runs, 4);
+}
+
 // (pinned staging, poisoned scratch, F32 in and out instead of BF16, programmatic launch).
 INSTANTIATE_TEST_SUITE_P(Forms, GraphReplayTest,
                          ::testing::Combine(::testing::Bool(), ::testing::Bool(),
