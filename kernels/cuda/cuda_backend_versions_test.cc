@@ -54,21 +54,27 @@ double RelErr(const OwnedRequest& got, const OwnedRequest& want, int64_t n) {
   return std::sqrt(diff / std::max(norm, 1e-30));
 }
 
-// Runs `layer` on the backend and on the reference with the same random request.
+// Runs `layer` on the backend and on the reference with the same random request (`spec`).
 double RunAndCompare(ExpertBackend& backend, int layer_index, const OwnedLayer& layer,
-                     uint64_t seed, absl::Status* status) {
-  cpu::RandomRequestSpec spec;
-  spec.tokens = 19;
-  spec.top_k = 4;
-  spec.seed = seed;
+                     const cpu::RandomRequestSpec& spec, absl::Status* status) {
   OwnedRequest got = MakeRandomRequest(layer.layer, spec);
-  OwnedRequest want = MakeRandomRequest(layer.layer, spec);
+  OwnedRequest want = got;
   got.Poison();
   want.Poison();
   *status = backend.Run(layer_index, layer.layer, got.Request());
   if (!status->ok()) return INFINITY;
   EXPECT_TRUE(RunExpertsReference(layer.layer, want.Request()).ok());
   return RelErr(got, want, spec.tokens * layer.layer.hidden);
+}
+
+// The same for 19 tokens, top-4, F32.
+double RunAndCompare(ExpertBackend& backend, int layer_index, const OwnedLayer& layer,
+                     uint64_t seed, absl::Status* status) {
+  cpu::RandomRequestSpec spec;
+  spec.tokens = 19;
+  spec.top_k = 4;
+  spec.seed = seed;
+  return RunAndCompare(backend, layer_index, layer, spec, status);
 }
 
 TEST(CudaBackendVersionsTest, TwoVersionsOfALayerServeSideBySide) {
@@ -220,17 +226,11 @@ TEST(CudaBackendVersionsTest, LargeBatchesCopyPieceByPiece) {
       cpu::RandomRequestSpec spec;
       spec.tokens = 4608;  // F32 [4608, 256]: 4.7 MB in and out
       spec.top_k = 4;
-      spec.in_dtype = DType::kF32;
-      spec.out_dtype = DType::kF32;
       spec.seed = seed;
-      OwnedRequest got = MakeRandomRequest(layer->layer, spec);
-      OwnedRequest want = got;
-      got.Poison();
-      want.Poison();
-      ASSERT_TRUE(b.Run(0, layer->layer, got.Request()).ok());
-      ASSERT_TRUE(RunExpertsReference(layer->layer, want.Request()).ok());
-      EXPECT_LE(RelErr(got, want, spec.tokens * layer->layer.hidden), 1e-2)
+      absl::Status s;
+      EXPECT_LE(RunAndCompare(b, 0, *layer, spec, &s), 1e-2)
           << "pinned " << pinned_bytes << " seed " << seed;
+      ASSERT_TRUE(s.ok()) << s;
     }
     EXPECT_EQ(GetCudaBackendCounters(b).pinned_runs, pinned_bytes > 0 ? 2 : 0);
   }
@@ -251,13 +251,9 @@ TEST(CudaBackendVersionsTest, FailedCaptureRunsEagerly) {
     spec.top_k = 4;
     spec.not_local = 0.0;
     spec.seed = seed;
-    OwnedRequest got = MakeRandomRequest(layer->layer, spec);
-    OwnedRequest want = got;
-    got.Poison();
-    want.Poison();
-    ASSERT_TRUE(b.Run(0, layer->layer, got.Request()).ok());
-    ASSERT_TRUE(RunExpertsReference(layer->layer, want.Request()).ok());
-    EXPECT_LE(RelErr(got, want, spec.tokens * layer->layer.hidden), 1e-2) << "seed " << seed;
+    absl::Status s;
+    EXPECT_LE(RunAndCompare(b, 0, *layer, spec, &s), 1e-2) << "seed " << seed;
+    ASSERT_TRUE(s.ok()) << s;
   }
   const CudaBackendCounters n = GetCudaBackendCounters(b);
   EXPECT_EQ(n.capture_failures, 1);
