@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# End to end on a GPU machine, from the release bundle: a coordinator and two
+# `moe-shard --backend cuda`, then `moectl workload` runs whose outputs are checked against the
+# CPU reference (a failed check aborts before the report), for an MXFP4 gpt-oss-like model and
+# an NVFP4 model with a shared expert; 16 tokens per step, 2 (one-token shard batches, which run
+# as CUDA graphs) and 512 (the wgmma path).
+#
+#   deploy/gpu_e2e.sh [BUNDLE_TAR]   # default: .bundle-rel/moe-serve-*.tar.gz
+#
+# Here: `bazel build //deploy:bundle && deploy/bundle.sh --install
+# bazel-bin/deploy/moe-serve-bundle.tar.gz .bundle-rel`, then carry .bundle-rel and this script
+# to the GPU machine. Logs go to $OUT (default /tmp/out). Exits 1 when a workload fails.
+set -u
+bundle="${1:-$(ls .bundle-rel/moe-serve-*.tar.gz 2> /dev/null | head -1)}"
+[[ -f "$bundle" ]] || { echo "usage: $0 [moe-serve bundle .tar.gz]" >&2; exit 2; }
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+root=$(mktemp -d)
+tar xzf "$bundle" -C "$root"
+cd "$root"/moe-serve-* || exit 2
+failed=0
+for fmt in mxfp4 nvfp4; do
+  m=$root/model-$fmt
+  if [[ $fmt == mxfp4 ]]; then shape="--hidden 2880 --intermediate 2880"; steps=10
+  else shape="--hidden 1024 --intermediate 512 --shared_experts 1 --activation silu"; steps=40; fi
+  bin/moectl gen-model --out "$m" --format $fmt --layers 3 --experts 16 $shape > /dev/null 2>&1 ||
+    { echo "gen-model failed ($fmt)"; exit 1; }
+  port=$((50050 + RANDOM % 500))
+  bin/moe-coordinator --port $port --num_shards 2 --redundant_slots 2 > "$OUT/coord-$fmt.log" 2>&1 &
+  c=$!
+  sleep 1
+  for r in 0 1; do
+    bin/moe-shard --model "$m" --coordinator 127.0.0.1:$port --port $((port + 1 + r)) --rank $r \
+      --backend cuda > "$OUT/shard$r-$fmt.log" 2>&1 &
+  done
+  for run in "$steps 16" "12 2" "3 512"; do
+    read -r n tokens <<< "$run"
+    timeout 180 bin/moectl workload --coordinator 127.0.0.1:$port --model "$m" --steps "$n" \
+      --tokens "$tokens" > "$OUT/workload-$fmt-$tokens.log" 2>&1
+    rc=$?
+    grep -E "verified|match" "$OUT/workload-$fmt-$tokens.log"
+    echo "workload $fmt, $tokens tokens x $n steps: rc=$rc"
+    ((rc == 0)) || failed=1
+  done
+  timeout 20 bin/moectl info --shard 127.0.0.1:$((port + 1)) 2>&1 | grep -iE "backend|device" | head -3
+  kill $(jobs -p) 2> /dev/null
+  wait 2> /dev/null
+done
+exit $failed
