@@ -82,7 +82,7 @@ run_bundle() {
     grep -E "$pattern" "$out/$name.log"
   }
   run_logged staging_cuda_test 60 "FAILED|PASSED|Failure"
-  run_logged cuda_backend_versions_test 60 "FAILED|PASSED|Failure|during upload"
+  run_logged cuda_backend_versions_test 150 "FAILED|PASSED|Failure|during upload"
   run_logged cuda_ipc_test 120 "FAILED|PASSED|Failure|client:"
   run_logged experts_cuda_test 240 "FAILED|PASSED|Failure|error"
   if has experts_cuda_test; then

@@ -55,6 +55,9 @@ ABSL_FLAG(std::string, backend_tokens, "",
           "staging defaults against kernels launched one by one with pageable copies");
 ABSL_FLAG(int, backend_rounds, 3, "alternating rounds of the two backend configurations");
 ABSL_FLAG(int, backend_runs, 60, "timed Runs per backend configuration and round");
+ABSL_FLAG(bool, layer_trace, false,
+          "at batches that run the fused layer kernel, print when its CTAs pass each of its "
+          "phases (global timer, us after the first CTA started: min / median / max)");
 ABSL_FLAG(int, extras_max_tokens, 1 << 30,
           "up to this token count also time GEMM variants 1..3 (and launches without PDL up to "
           "64 tokens)");
@@ -193,6 +196,47 @@ std::vector<double> StageSplit(const cuda::DeviceExpertLayer& layer, cuda::Exper
   std::vector<double> medians;
   for (auto& v : per_stage) medians.push_back(Summarize(v).median);
   return medians;
+}
+
+// The fused layer kernel's phase times (ExpertLayerParams::trace) over the CTAs of one eager
+// pass of each set.
+void PrintLayerTrace(const cuda::DeviceExpertLayer& layer, cuda::ExpertRunner& runner,
+                     const std::vector<std::unique_ptr<DeviceInputs>>& sets, cudaStream_t stream) {
+  int sms = 0;
+  CUDA_CHECK_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cuda::DeviceBuffer trace;
+  BENCH_CHECK_OK(trace.Reserve(static_cast<size_t>(sms) * 8 * 8));
+  const char* names[] = {"start", "hidden staged", "own GEMM1 done", "all routes ready",
+                         "act staged", "end"};
+  for (const auto& set : sets) {
+    CUDA_CHECK_OK(cudaMemsetAsync(trace.get(), 0, trace.size(), stream));
+    runner.set_layer_trace(trace.as<unsigned long long>());
+    BENCH_CHECK_OK(runner.Enqueue(layer, set->Batch(), set->plan, stream));
+    runner.set_layer_trace(nullptr);
+    std::vector<unsigned long long> t(static_cast<size_t>(sms) * 8);
+    CUDA_CHECK_OK(cudaMemcpyAsync(t.data(), trace.get(), t.size() * 8, cudaMemcpyDeviceToHost,
+                                  stream));
+    CUDA_CHECK_OK(cudaStreamSynchronize(stream));
+    unsigned long long first = ~0ull;
+    for (int c = 0; c < sms; ++c) {
+      if (t[c * 8] != 0) first = std::min(first, t[c * 8]);
+    }
+    if (first == ~0ull) {
+      std::printf("      layer trace: the fused layer kernel did not run\n");
+      return;
+    }
+    std::printf("      layer trace (us after the first CTA's start, min / median / max over CTAs):");
+    for (int i = 0; i < 6; ++i) {
+      std::vector<double> v;
+      for (int c = 0; c < sms; ++c) {
+        if (t[c * 8 + i] != 0) v.push_back((t[c * 8 + i] - first) * 1e-3);
+      }
+      std::sort(v.begin(), v.end());
+      if (v.empty()) continue;
+      std::printf(" | %s %.1f/%.1f/%.1f", names[i], v.front(), v[v.size() / 2], v.back());
+    }
+    std::printf("\n");
+  }
 }
 
 // Relative error of one pass against the CPU reference.
@@ -443,6 +487,26 @@ int Main() {
       runner.set_wgmma_min_tokens(1);
       time_with_stages("wgmma_forced");
       runner.set_wgmma_min_tokens(cuda::ExpertRunner::kDefaultWgmmaMinTokens);
+    }
+    if (absl::GetFlag(FLAGS_layer_trace)) {
+      runner.set_fused_layer(cuda::ExpertRunner::kFusedLayerAlways);
+      PrintLayerTrace(layer, runner, sets, stream);
+      runner.set_fused_layer(cuda::ExpertRunner::kFusedLayerAuto);
+    }
+    if (sets[0]->plan.max_count <= 1) {
+      // Direct batches with the fused layer kernel forced on and off (the default takes it by
+      // the bytes per SM, ExpertRunner::kFusedLayerMinBytesPerSm).
+      const struct {
+        const char* name;
+        int mode;
+      } modes[] = {{"fused_layer", cuda::ExpertRunner::kFusedLayerAlways},
+                   {"no_fused_layer", cuda::ExpertRunner::kFusedLayerOff}};
+      for (const auto& m : modes) {
+        if (!is_wanted(m.name)) continue;
+        runner.set_fused_layer(m.mode);
+        time_with_stages(m.name);
+      }
+      runner.set_fused_layer(cuda::ExpertRunner::kFusedLayerAuto);
     }
     if (tokens <= absl::GetFlag(FLAGS_extras_max_tokens)) {
       // variant0_grouped is the previous default (register ring, routes always grouped).

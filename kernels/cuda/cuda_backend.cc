@@ -78,6 +78,7 @@ class CudaExpertBackend final : public ExpertBackend {
     runner_.set_hidden_in_place(options.wgmma_byte_savers);
     runner_.set_y_bf16(options.wgmma_byte_savers);
     runner_.set_wgmma_l2_ahead(options.wgmma_l2_ahead);
+    runner_.set_fused_layer(options.fused_layer);
     runner_.set_programmatic_launch(options.programmatic_launch);
     const int hardware = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     copy_pool_ = std::make_unique<cpu::ThreadPool>(
@@ -104,7 +105,9 @@ class CudaExpertBackend final : public ExpertBackend {
 
   CudaBackendCounters counters() const {
     absl::MutexLock lock(&run_mu_);
-    return counters_;
+    CudaBackendCounters n = counters_;
+    n.fused_layer_launches = runner_.fused_layer_launches();
+    return n;
   }
 
   // Device copies kept per layer index (the shard keeps up to 4 map versions).

@@ -42,6 +42,10 @@ struct CudaBackendOptions {
   // tile's weights (ExpertRunner::set_wgmma_l2_ahead). Tests cover every form.
   bool wgmma_byte_savers = true;
   bool wgmma_l2_ahead = false;
+  // Direct-route batches (e.g. one token) with the variant chosen per batch may run GEMM1, GEMM2
+  // and the combine as one fused layer kernel (ExpertRunner::set_fused_layer: -1 where it
+  // measured faster, 1 whenever it fits, 0 never). Tests cover each.
+  int fused_layer = -1;
   // Batches of up to this many tokens run their kernels as a CUDA graph: the second batch of a
   // shape (ExpertRunner::ShapeKey, with the item grid rounded up by at most 1/8) captures one,
   // later ones replay it, so a Run costs one graph launch instead of three or four kernel
@@ -79,6 +83,8 @@ struct CudaBackendCounters {
   int64_t graph_replays = 0;
   int64_t pinned_runs = 0;  // Runs whose copies went through the pinned buffer
   int64_t capture_failures = 0;  // captures that failed (those batches ran eagerly)
+  // Fused layer kernels enqueued (eager runs and captures; replays launch what they captured).
+  int64_t fused_layer_launches = 0;
 };
 // The counters of `backend` when it is a CUDA backend, else all zero.
 CudaBackendCounters GetCudaBackendCounters(const ExpertBackend& backend);

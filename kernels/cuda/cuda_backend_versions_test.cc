@@ -141,13 +141,15 @@ TEST(CudaBackendVersionsTest, RunsDuringAnUploadStayCorrect) {
 // with their own inputs: every Run matches the CPU reference, the captured Run is bitwise the
 // eager one, and the counters show captures and replays. Direct routes (T = 1), grouped items
 // (T = 7), the tiled kernel and the wgmma kernel (T = 64 over 8 experts: ~32 routes per slot,
-// wgmma from 33); pinned or pageable copies, poisoned scratch or not, BF16 or F32 in and out.
+// wgmma from 33); pinned or pageable copies, poisoned scratch or not, BF16 or F32 in and out,
+// the direct batches through the fused layer kernel (a cooperative launch) or the two GEMMs.
 class GraphReplayTest
-    : public ::testing::TestWithParam<std::tuple<bool, bool, bool, bool>> {};
+    : public ::testing::TestWithParam<std::tuple<bool, bool, bool, bool, bool>> {};
 
 TEST_P(GraphReplayTest, ServesNewInputs) {
-  const auto [pinned, poison, f32, programmatic] = GetParam();
+  const auto [pinned, poison, f32, programmatic, fused] = GetParam();
   CudaBackendOptions options;
+  options.fused_layer = fused ? 1 : 0;
   options.graph_max_tokens = 512;  // every size below through graphs (the default stops at 4)
   options.programmatic_launch = programmatic;
   options.graph_programmatic_launch = programmatic;
@@ -208,6 +210,12 @@ TEST_P(GraphReplayTest, ServesNewInputs) {
     EXPECT_GE(n.graph_replays, 4);   // run 2 of each token count at least
     EXPECT_EQ(n.eager_runs + n.graph_captures + n.graph_replays, 24);
     EXPECT_EQ(n.pinned_runs, pinned ? 24 : 0);
+    // Forced on, the fused kernel runs every direct batch (T = 1 always has distinct experts).
+    if (fused) {
+      EXPECT_GE(n.fused_layer_launches, 2);  // T = 1: the eager run and the capture
+    } else {
+      EXPECT_EQ(n.fused_layer_launches, 0);
+    }
   }
 }
 
@@ -262,10 +270,12 @@ TEST(CudaBackendVersionsTest, FailedCaptureRunsEagerly) {
   EXPECT_EQ(n.eager_runs, 4);
 }
 
-// (pinned staging, poisoned scratch, F32 in and out instead of BF16, programmatic launch).
+// (pinned staging, poisoned scratch, F32 in and out instead of BF16, programmatic launch, the
+// fused layer kernel).
 INSTANTIATE_TEST_SUITE_P(Forms, GraphReplayTest,
                          ::testing::Combine(::testing::Bool(), ::testing::Bool(),
-                                            ::testing::Bool(), ::testing::Bool()));
+                                            ::testing::Bool(), ::testing::Bool(),
+                                            ::testing::Bool()));
 
 }  // namespace
 }  // namespace moe

@@ -468,6 +468,65 @@ __device__ __forceinline__ void EpilogueY(const ExpertGemmParams& p, const Exper
   }
 }
 
+// Direct routes (ExpertGemmParams::direct_ids): expert slot of item i, or -1.
+__device__ __forceinline__ int DirectExpert(const ExpertGemmParams& p, int i) {
+  const int routes = p.direct_tokens * p.direct_top_k;
+  if (i < routes) return p.direct_ids[i];
+  const int r = i - routes, s = r / p.direct_tokens, t = r - s * p.direct_tokens;
+  return p.direct_mask != nullptr && p.direct_mask[t] != 0 ? p.direct_experts + s : -1;
+}
+// Token of direct item (= slot) i.
+__device__ __forceinline__ int DirectToken(const ExpertGemmParams& p, int i) {
+  const int routes = p.direct_tokens * p.direct_top_k;
+  return i < routes ? i / p.direct_top_k : (i - routes) % p.direct_tokens;
+}
+
+// Folded combine (ExpertGemmParams::fold_counters), run by the warp that wrote the y rows of
+// 16-row tile `tile` (h = tile * 16 + 0..15) of one route of `token` after EpilogueY (and a
+// __threadfence after its y stores). Every lane takes the same path (warp-uniform returns only),
+// so a warp may call it for several tokens in a row.
+__device__ __forceinline__ void FoldCombine(const ExpertGemmParams& p, int token, int tile,
+                                            int lane) {
+  const int row_blocks = (p.out_valid + kFoldRowsPerBlock - 1) / kFoldRowsPerBlock;
+  if (tile >= row_blocks) return;  // past H: no y rows written, nothing counted
+  const int row_block = tile;
+  const int T = p.fold_tokens, K = p.fold_top_k, routes = T * K;
+  const bool marked = p.fold_mask != nullptr && p.fold_mask[token] != 0;
+  int participants = marked ? p.fold_shared : 0;
+  for (int k = 0; k < K; ++k) participants += p.fold_ids[token * K + k] >= 0 ? 1 : 0;
+  __syncwarp();
+  int last = 0;
+  int32_t* counter = p.fold_counters + static_cast<int64_t>(token) * row_blocks + row_block;
+  if (lane == 0) last = atomicAdd(counter, 1) == participants - 1 ? 1 : 0;
+  last = __shfl_sync(0xffffffffu, last, 0);
+  if (last == 0) return;
+  __threadfence();  // the other routes' y stores, before the reads below
+  if (lane == 0) *counter = 0;
+  const int H = p.out_valid;
+  const int h = row_block * kFoldRowsPerBlock + lane;
+  if (lane < kFoldRowsPerBlock && h < H) {
+    float acc = 0.f;
+    for (int k = 0; k < K; ++k) {
+      const int route = token * K + k;
+      if (p.fold_ids[route] < 0) continue;
+      acc += p.fold_weights[route] * __ldcg(p.y_out + static_cast<int64_t>(route) * H + h);
+    }
+    if (marked) {
+      for (int s = 0; s < p.fold_shared; ++s) {
+        const int64_t row = routes + static_cast<int64_t>(s) * T + token;
+        acc += 1.f * __ldcg(p.y_out + row * H + h);
+      }
+    }
+    const int64_t at = static_cast<int64_t>(token) * H + h;
+    if (p.fold_out_bf16) {
+      static_cast<uint16_t*>(p.fold_out)[at] = __bfloat16_as_ushort(__float2bfloat16_rn(acc));
+    } else {
+      static_cast<float*>(p.fold_out)[at] = acc;
+    }
+  }
+  __syncwarp();
+}
+
 // Runs `configure` (kernel attributes: cudaFuncSetAttribute) on the current device unless it
 // already succeeded there; `done` holds one bit per device (devices past 63: every time).
 template <class Configure>

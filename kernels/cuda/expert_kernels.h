@@ -76,6 +76,10 @@ struct ExpertPrologueParams {
   // per-block counts).
   int32_t* group_scratch = nullptr;
   int32_t group_blocks = 1;  // set by LaunchExpertPrologue (0 without group_routes)
+  // Words set to zero by the prologue (the fused layer kernel's per-route counters,
+  // ExpertLayerParams::ready), or null.
+  int32_t* zero_words = nullptr;
+  int32_t zero_word_count = 0;
   // Outputs.
   uint16_t* x_staged = nullptr;    // [T, hidden_chunks * 64] bf16, permuted per chunk, zero-padded
   int32_t* slot_token = nullptr;   // [routes] token of each grouped slot
@@ -263,6 +267,42 @@ inline bool GemmUsesBulkCopies(int token_groups, int variant) {
   return token_groups <= 2 && variant >= 8;
 }
 inline constexpr int kFoldRowsPerBlock = 16;
+
+// ---- The fused decode layer (expert_layer.cu): a batch of direct routes (at most one route per
+// expert slot, ExpertGemmParams direct_ids) runs GEMM1 + activation, GEMM2 and the folded combine
+// in one persistent kernel of one CTA per SM, instead of a GEMM1 grid and a GEMM2 grid with a
+// kernel boundary between them. In each CTA one producer warp streams the CTA's share of both
+// GEMMs' weights (GEMM1's tiles, then GEMM2's) through one ring of shared-memory stages with bulk
+// copies, never waiting for the activations, so GEMM2's weights arrive while GEMM1 finishes; the
+// consumer warps multiply from shared memory (the hidden rows and, for GEMM2, the act rows of
+// every route are copied there once). A per-route counter replaces the kernel boundary: the
+// warp that writes a GEMM1 tile's act columns counts it, and GEMM2 starts once every route has
+// all of its tiles. Every CTA must be resident at once (cooperative launch). Deterministic: the
+// K-split partial sums are added in a fixed order and the combine is FoldCombine's.
+struct ExpertLayerParams {
+  ExpertGemmParams g1;  // GEMM1 with direct_* set (b_rows: the staged hidden rows)
+  ExpertGemmParams g2;  // GEMM2 with direct_* and fold_* set (b_rows: g1.act_out)
+  // [ExpertLayerRoutes(...)] per-route counters, zero before the launch (the prologue's
+  // zero_words).
+  int32_t* ready = nullptr;
+  // Benchmark aid, null otherwise: thread 0 of each CTA writes the global timer (ns) at 6 points
+  // into trace[cta * 8 + i]: start, hidden rows staged, own GEMM1 rounds done, every route ready,
+  // act rows staged, end.
+  unsigned long long* trace = nullptr;
+};
+// Routes of a direct batch: T * K, plus T per shared slot that runs.
+inline int ExpertLayerRoutes(int tokens, int top_k, int shared) {
+  return tokens * top_k + shared * tokens;
+}
+inline constexpr int kMaxLayerRoutes = 64;
+// Whether LaunchExpertLayer takes a batch of these sizes on the current device (routes up to
+// kMaxLayerRoutes; the hidden rows, the act rows and the weight rings fit into one CTA's shared
+// memory); *sms (if not null) gets the device's SM count (the kernel's CTAs).
+bool ExpertLayerFits(Fp4Format format, int tokens, int routes, int hidden_chunks, int act_cols,
+                     int w13_tiles, int w2_tiles, int w2_chunks, int* sms);
+// programmatic: as GemmLaunch (the predecessor is the prologue).
+cudaError_t LaunchExpertLayer(const ExpertLayerParams& p, Fp4Format format, bool programmatic,
+                              cudaStream_t stream);
 
 // programmatic: as GemmLaunch (the predecessor is GEMM2).
 cudaError_t LaunchExpertCombine(const ExpertCombineParams& p, bool programmatic,

@@ -289,6 +289,9 @@ __global__ void __launch_bounds__(kThreads) ExpertPrologueKernel(const ExpertPro
   // GEMM1 may start launching now (it hides its launch latency behind this kernel); it reads
   // nothing of ours before its griddepcontrol.wait, which waits for this grid to complete.
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  if (blockIdx.x == 0) {
+    for (int i = threadIdx.x; i < p.zero_word_count; i += kThreads) p.zero_words[i] = 0;
+  }
   if (!p.group_routes) {
     if (p.stage_hidden) StageHidden(p, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
     if (p.zero_unrouted_out != nullptr) {

@@ -238,6 +238,7 @@ absl::Status ExpertRunner::Reserve(const DeviceExpertLayer& layer, const RoutePl
       {act_, std::max<size_t>(routes, static_cast<size_t>(std::max<int64_t>(plan.y_rows, 1))) *
                  static_cast<size_t>(layer.inter_padded) * 2},
       {y_, static_cast<size_t>(std::max<int64_t>(plan.y_rows, 1) * layer.hidden) * 4},
+      {ready_, kMaxLayerRoutes * sizeof(int32_t)},
   };
   for (const auto& w : wants) {
     const void* before = w.buf.get();
@@ -341,6 +342,22 @@ ExpertRunner::Decisions ExpertRunner::Decide(const DeviceExpertLayer& layer,
                       layer.hidden == layer.hidden_chunks * 64 &&
                       reinterpret_cast<uintptr_t>(batch.hidden) % 16 == 0;
   d.l2_ahead = d.wgmma && wgmma_l2_ahead_ && WgmmaStagesEpilogue(d.variant);
+  if (fused_layer_ != kFusedLayerOff && !layer_unavailable_ && variant_ == kAutoGemmVariant &&
+      d.direct && d.fold) {
+    const int routes = ExpertLayerRoutes(static_cast<int>(plan.tokens),
+                                         static_cast<int>(plan.top_k), plan.num_shared);
+    int sms = 0;
+    d.layer = ExpertLayerFits(layer.format, static_cast<int>(plan.tokens), routes,
+                              layer.w13.chunks, static_cast<int>(layer.inter_padded),
+                              layer.w13.tiles, layer.w2.tiles, layer.w2.chunks, &sms);
+    if (d.layer && fused_layer_ == kFusedLayerAuto) {
+      // Weight bytes one route streams: both GEMMs' codes and scales of one expert slot.
+      const int64_t scale_bytes = layer.format == Fp4Format::kMxfp4 ? 4 : 16;
+      const int64_t per_route = (layer.w13.values_stride + layer.w2.values_stride) * 16 +
+                                (layer.w13.scales_stride + layer.w2.scales_stride) * scale_bytes;
+      d.layer = routes * per_route >= kFusedLayerMinBytesPerSm * std::max(sms, 1);
+    }
+  }
   d.grid_items = d.direct              ? plan.y_rows
                  : round_item_grid_ ? RoundedItemGrid(plan.num_items)
                                     : plan.num_items;
@@ -352,7 +369,8 @@ std::string ExpertRunner::ShapeKey(const DeviceExpertLayer& layer, const DeviceB
   const Decisions d = Decide(layer, batch, plan);
   return absl::StrCat(reinterpret_cast<uintptr_t>(&layer), ":", plan.tokens, ":", plan.top_k,
                       ":", plan.num_shared, ":", d.plan.token_groups, ":", d.variant, ":",
-                      d.wgmma, d.few, d.direct, d.fold, d.hidden_in_place, d.l2_ahead, ":",
+                      d.wgmma, d.few, d.direct, d.fold, d.hidden_in_place, d.l2_ahead, d.layer,
+                      ":",
                       d.grid_items, ":", batch.hidden_bf16, batch.out_bf16,
                       batch.shared_mask != nullptr);
 }
@@ -390,6 +408,10 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   pro.group_scratch = group_scratch_.as<int32_t>();
   pro.num_items = num_items_.as<int32_t>();
   pro.natural_order = wgmma;
+  if (d.layer) {
+    pro.zero_words = ready_.as<int32_t>();
+    pro.zero_word_count = ExpertLayerRoutes(pro.tokens, pro.top_k, plan.num_shared);
+  }
   const bool hidden_in_place = d.hidden_in_place;
   pro.stage_hidden = !hidden_in_place;
   const bool l2_ahead = d.l2_ahead;
@@ -448,14 +470,6 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
       g1.next_scales_bytes = static_cast<int64_t>(w2.tiles) * w2.chunks * 8 * scale_bytes;
     }
   }
-  if (absl::Status s = CudaStatus(
-          LaunchExpertGemm(g1, launch, stream), "GEMM1");
-      !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = Mark(2, stream); !s.ok()) return s;
-
-  launch.gemm1 = false;
   ExpertGemmParams g2 = GemmParams(layer.w2, layer, pro.items, pro.num_items);
   g2.direct_ids = g1.direct_ids;
   g2.direct_mask = g1.direct_mask;
@@ -485,6 +499,34 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   g2.y_bf16 = wgmma && y_bf16_ && WgmmaStagesEpilogue(variant);
   g2.l2_ahead_tiles = g1.l2_ahead_tiles;
   g2.slot_route = slot_route_.as<int32_t>();
+  if (d.layer) {
+    ExpertLayerParams lp;
+    lp.g1 = g1;
+    lp.g2 = g2;
+    lp.ready = ready_.as<int32_t>();
+    lp.trace = layer_trace_;
+    const cudaError_t err = LaunchExpertLayer(lp, layer.format, launch.programmatic, stream);
+    if (err == cudaSuccess) {
+      ++fused_layer_launches_;
+      for (int stage = 2; stage <= 4; ++stage) {
+        if (absl::Status s = Mark(stage, stream); !s.ok()) return s;
+      }
+      return absl::OkStatus();
+    }
+    if (err != cudaErrorCooperativeLaunchTooLarge) return CudaStatus(err, "fused layer");
+    // Fewer SMs than the kernel's CTAs are available to this context (e.g. an MPS limit): this
+    // batch and every later one take the two GEMM grids, whose inputs the prologue staged alike
+    // (the counters it zeroed go unused).
+    (void)cudaGetLastError();
+    layer_unavailable_ = true;
+  }
+  if (absl::Status s = CudaStatus(
+          LaunchExpertGemm(g1, launch, stream), "GEMM1");
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = Mark(2, stream); !s.ok()) return s;
+  launch.gemm1 = false;
   if (absl::Status s = CudaStatus(
           LaunchExpertGemm(g2, launch, stream), "GEMM2");
       !s.ok()) {

@@ -176,6 +176,22 @@ class ExpertRunner {
   // Off by default, a bench knob: measured 3.5% slower at problem C 512 (249.5 vs 241.0 us) and
   // within the noise at A 4096 / 8192 (NOTES-cuda.md).
   void set_wgmma_l2_ahead(bool on) { wgmma_l2_ahead_ = on; }
+  // Direct-route batches (the combine folded, the variant chosen per batch) may run as one fused
+  // layer kernel (expert_kernels.h ExpertLayerParams) where it fits: kFusedLayerAuto (the
+  // default) when the batch's routes stream at least kFusedLayerMinBytesPerSm of weights per SM
+  // (H200: problem B at one token, 1.6 MiB per SM, 79.7 against 83.9 us; problems A and C at 1-2
+  // tokens, 0.1-0.8 MB per SM, 5-45% slower; nothing measured in between, NOTES-cuda.md),
+  // kFusedLayerAlways whenever it fits, kFusedLayerOff never.
+  static constexpr int kFusedLayerAuto = -1;
+  static constexpr int kFusedLayerOff = 0;
+  static constexpr int kFusedLayerAlways = 1;
+  static constexpr int64_t kFusedLayerMinBytesPerSm = int64_t{3} << 19;  // 1.5 MiB
+  void set_fused_layer(int mode) { fused_layer_ = mode; }
+  // Fused layer kernels enqueued so far.
+  int64_t fused_layer_launches() const { return fused_layer_launches_; }
+  // Benchmark aid: ExpertLayerParams::trace of the fused layer kernel (device memory, 8 words per
+  // SM), or null. Not for stream capture.
+  void set_layer_trace(unsigned long long* trace) { layer_trace_ = trace; }
 
  private:
   // The per-batch choices of Enqueue, from the plan and the runner's settings.
@@ -188,6 +204,7 @@ class ExpertRunner {
     bool fold = false;
     bool hidden_in_place = false;
     bool l2_ahead = false;
+    bool layer = false;  // the fused layer kernel (LaunchExpertLayer)
     int64_t grid_items = 0;  // GemmLaunch::num_items
   };
   Decisions Decide(const DeviceExpertLayer& layer, const DeviceBatch& batch,
@@ -210,6 +227,12 @@ class ExpertRunner {
   bool hidden_in_place_ = true;
   bool y_bf16_ = true;
   bool wgmma_l2_ahead_ = false;
+  int fused_layer_ = kFusedLayerAuto;
+  // Set when a cooperative launch of the fused layer kernel was refused (not all of its CTAs
+  // could be resident): later batches do not try again.
+  bool layer_unavailable_ = false;
+  int64_t fused_layer_launches_ = 0;
+  unsigned long long* layer_trace_ = nullptr;
   cudaEvent_t* stage_events_ = nullptr;
   DeviceBuffer x_staged_;
   DeviceBuffer slot_token_;
@@ -220,6 +243,7 @@ class ExpertRunner {
   DeviceBuffer y_;
   DeviceBuffer group_scratch_;  // ExpertPrologueParams::group_scratch, zero when allocated
   DeviceBuffer fold_counters_;  // zero between batches (the folded combine resets what it uses)
+  DeviceBuffer ready_;          // ExpertLayerParams::ready (zeroed by each batch's prologue)
 };
 
 }  // namespace moe::cuda

@@ -33,7 +33,8 @@ namespace {
 // (bits 7, "p"); the wgmma kernel for every batch (wgmma_min_tokens 1, items of up to 144 tokens)
 // in its three configurations (0: 4 warpgroups x 1 m64 block, shared-memory weight ring; 1: 2 x 2,
 // register ring; 2: 4 x 1, register ring: printed "w0".."w2"); and the defaults (per-batch choice,
-// "v-1").
+// "v-1"), once more with the fused layer kernel for every direct batch that fits ("v-1dF"; by
+// default only batches that stream at least 1 MB of weights per SM take it).
 constexpr int kGemmVariants = 14;
 struct BackendCase {
   int variant;
@@ -43,6 +44,7 @@ struct BackendCase {
   bool fold_grouped = false;  // ExpertRunner::set_fold_grouped
   bool byte_savers = true;    // CudaBackendOptions::wgmma_byte_savers
   bool l2_ahead = false;      // CudaBackendOptions::wgmma_l2_ahead
+  int fused_layer = -1;       // CudaBackendOptions::fused_layer (the per-batch default only)
 };
 const BackendCase kBackendCases[] = {
     {0, true, 0},  {1, true, 0},  {2, true, 0},  {3, true, 0},        {4, true, 0},
@@ -51,7 +53,9 @@ const BackendCase kBackendCases[] = {
     {4, false, 0}, {12, false, 0}, {12, false, 0, -1, true},          {10, true, 0, 7},
     {0, true, 1},  {1, true, 1},  {2, true, 1},  {-1, true, -1},
     // wgmma variant 0 with the hidden rows staged and y in F32, and with L2 ahead.
-    {0, true, 1, -1, false, false}, {0, true, 1, -1, false, true, true}};
+    {0, true, 1, -1, false, false}, {0, true, 1, -1, false, true, true},
+    // The defaults with the fused layer kernel for every direct batch that fits.
+    {-1, true, -1, -1, false, true, false, 1}};
 
 struct LayerCase {
   std::string name;
@@ -228,7 +232,7 @@ class ExpertsCudaTest : public ::testing::TestWithParam<LayerCase> {
   void SetUp() override {
     std::string why;
     if (cuda::DeviceCount(&why) == 0) GTEST_SKIP() << why;
-    static_assert(sizeof(kBackendCases) / sizeof(kBackendCases[0]) == kGemmVariants + 11);
+    static_assert(sizeof(kBackendCases) / sizeof(kBackendCases[0]) == kGemmVariants + 12);
     for (const BackendCase& bc : kBackendCases) {
       CudaBackendOptions options;
       options.poison_scratch = true;
@@ -239,6 +243,7 @@ class ExpertsCudaTest : public ::testing::TestWithParam<LayerCase> {
       options.fold_grouped = bc.fold_grouped;
       options.wgmma_byte_savers = bc.byte_savers;
       options.wgmma_l2_ahead = bc.l2_ahead;
+      options.fused_layer = bc.fused_layer;
       absl::StatusOr<std::unique_ptr<ExpertBackend>> b = MakeCudaExpertBackend(options);
       ASSERT_TRUE(b.ok()) << b.status();
       backends_.push_back(*std::move(b));
@@ -299,6 +304,7 @@ TEST_P(ExpertsCudaTest, MatchesReference) {
                   : kBackendCases[variant].fold_grouped ? "f"
                   : !kBackendCases[variant].byte_savers ? "o"
                   : kBackendCases[variant].l2_ahead     ? "a"
+                  : kBackendCases[variant].fused_layer == 1 ? "F"
                                                         : "",
                   static_cast<long long>(tokens), rel,
                   static_cast<long long>(nans), static_cast<unsigned long long>(seed));
