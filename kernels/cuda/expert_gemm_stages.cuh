@@ -27,6 +27,20 @@ __device__ __forceinline__ void AllowDependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+// GPU-scope acquire load, release store and release add of a 32-bit word (counters that CTAs
+// of one grid wait for: the prologue's grouping blocks, the fused layer's per-route counts).
+__device__ __forceinline__ uint32_t LoadAcquire(const int32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void StoreRelease(int32_t* p, uint32_t v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void AddRelease(int32_t* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 // The grouped-route kernels' start (blockIdx.x = row block + row_blocks * item): GEMM1 waits for
 // the prologue that wrote the items and lets GEMM2 start launching; then this CTA's item and row
 // block. False when the CTA has no item (past the device's item count): the whole CTA returns,

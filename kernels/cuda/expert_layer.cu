@@ -65,14 +65,6 @@ __device__ __forceinline__ void Trace(const ExpertLayerParams& p, int point) {
     p.trace[blockIdx.x * 8 + point] = now;
   }
 }
-__device__ __forceinline__ int LoadAcquire(const int32_t* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void AddRelease(int32_t* p, int v) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
 __device__ __forceinline__ uint4 LoadShared16(uint32_t at) {
   uint4 r;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -387,7 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warp == 0) {
     const int want = L.tiles[0];
     for (int i = lane; i < routes; i += kWarpLanes) {
-      while (LoadAcquire(p.ready + i) < want) __nanosleep(32);
+      while (static_cast<int>(LoadAcquire(p.ready + i)) < want) __nanosleep(32);
     }
   }
   CtaBarrier();

@@ -13,11 +13,15 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/cuda/expert_gemm_stages.cuh"
 #include "kernels/cuda/expert_kernels.h"
 #include "kernels/cuda/fp4_fragment.h"
 
 namespace moe::cuda {
 namespace {
+
+using detail::LoadAcquire;
+using detail::StoreRelease;
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
@@ -103,15 +107,6 @@ __device__ __forceinline__ void ForEachRoute(const int32_t* ids, int32_t routes,
   for (int32_t i = done + static_cast<int32_t>(threadIdx.x); i < routes; i += kThreads) {
     f(i, __ldg(ids + i));
   }
-}
-
-__device__ __forceinline__ uint32_t LoadAcquire(const int32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void StoreRelease(int32_t* p, uint32_t v) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
 
 // Block b of the G grouping blocks: counts its share of the routes (and of the tokens, for the
