@@ -3,6 +3,7 @@
 // stay runnable, each against its own CPU reference; re-preparing the same weights replaces their
 // copy; weights never prepared are refused; requests from several threads while a new version is
 // uploaded all match. Needs a GPU (tag "gpu"): skipped without one.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <tuple>
@@ -268,6 +269,51 @@ TEST(CudaBackendVersionsTest, FailedCaptureRunsEagerly) {
   EXPECT_EQ(n.graph_captures, 0);
   EXPECT_EQ(n.graph_replays, 0);
   EXPECT_EQ(n.eager_runs, 4);
+}
+
+// Two backends (two streams) run the fused layer kernel at the same time on one GPU. Each of
+// its grids needs all of its CTAs resident at once (one per SM): two grids that each held part
+// of the GPU would wait for each other forever, which cooperative launch rules out.
+TEST(CudaBackendVersionsTest, TwoBackendsRunFusedLayersAtOnce) {
+  const std::unique_ptr<OwnedLayer> layer = Layer(66);
+  std::vector<std::unique_ptr<ExpertBackend>> backends;
+  for (int i = 0; i < 2; ++i) {
+    CudaBackendOptions options;
+    options.fused_layer = 1;
+    options.graph_max_tokens = 0;  // every Run launches its kernels
+    absl::StatusOr<std::unique_ptr<ExpertBackend>> made = MakeCudaExpertBackend(options);
+    if (!made.ok()) GTEST_SKIP() << made.status();
+    ASSERT_TRUE((*made)->PrepareLayer(0, layer->layer).ok());
+    backends.push_back(*std::move(made));
+  }
+  constexpr int kRuns = 200;
+  std::vector<double> worst(2, 0.0);
+  std::vector<absl::Status> errors(2);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 2; ++i) {
+    threads.emplace_back([&, i] {
+      for (int run = 0; run < kRuns; ++run) {
+        cpu::RandomRequestSpec spec;
+        spec.tokens = 1;
+        spec.top_k = 4;
+        spec.not_local = 0.0;
+        spec.seed = 1000 * i + run;
+        absl::Status s;
+        const double rel = RunAndCompare(*backends[i], 0, *layer, spec, &s);
+        if (!s.ok()) {
+          errors[i] = s;
+          return;
+        }
+        worst[i] = std::max(worst[i], rel);
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_TRUE(errors[i].ok()) << errors[i];
+    EXPECT_LE(worst[i], 1e-2) << "backend " << i;
+    EXPECT_EQ(GetCudaBackendCounters(*backends[i]).fused_layer_launches, kRuns);
+  }
 }
 
 // (pinned staging, poisoned scratch, F32 in and out instead of BF16, programmatic launch, the
