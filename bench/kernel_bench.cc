@@ -55,6 +55,9 @@ ABSL_FLAG(std::string, backend_tokens, "",
           "staging defaults against kernels launched one by one with pageable copies");
 ABSL_FLAG(int, backend_rounds, 3, "alternating rounds of the two backend configurations");
 ABSL_FLAG(int, backend_runs, 60, "timed Runs per backend configuration and round");
+ABSL_FLAG(bool, direct_batches, false,
+          "draw every batch again until no expert slot has two routes (direct routes: what the "
+          "fused layer kernel takes), to time that kernel at several tokens per batch");
 ABSL_FLAG(bool, layer_trace, false,
           "at batches that run the fused layer kernel, print when its CTAs pass each of its "
           "phases (global timer, us after the first CTA started: min / median / max)");
@@ -412,6 +415,15 @@ int Main() {
     double active = 0;
     for (int r = 0; r < rotations; ++r) {
       sets.push_back(Upload(RandomBatch(problem, tokens, rng), num_experts, stream));
+      for (int draw = 1; absl::GetFlag(FLAGS_direct_batches) && sets.back()->plan.max_count > 1;
+           ++draw) {
+        if (draw == 100000) {
+          std::fprintf(stderr, "--direct_batches: no batch of %lld tokens without a shared "
+                       "expert slot in %d draws\n", static_cast<long long>(tokens), draw);
+          std::exit(2);
+        }
+        sets.back() = Upload(RandomBatch(problem, tokens, rng), num_experts, stream);
+      }
       BENCH_CHECK_OK(runner.Reserve(layer, sets.back()->plan));
       active += sets.back()->plan.active_slots;
     }

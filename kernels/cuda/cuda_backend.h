@@ -44,7 +44,8 @@ struct CudaBackendOptions {
   bool wgmma_l2_ahead = false;
   // Direct-route batches (e.g. one token) with the variant chosen per batch may run GEMM1, GEMM2
   // and the combine as one fused layer kernel (ExpertRunner::set_fused_layer: -1 where it
-  // measured faster, 1 whenever it fits, 0 never). Tests cover each.
+  // measured faster, i.e. long GEMM1 K and many weight bytes per SM, as DeepSeek-V3's layer at
+  // one token; 1 whenever it fits; 0 never). Tests cover each.
   int fused_layer = -1;
   // Batches of up to this many tokens run their kernels as a CUDA graph: the second batch of a
   // shape (ExpertRunner::ShapeKey, with the item grid rounded up by at most 1/8) captures one,

@@ -355,7 +355,8 @@ ExpertRunner::Decisions ExpertRunner::Decide(const DeviceExpertLayer& layer,
       const int64_t scale_bytes = layer.format == Fp4Format::kMxfp4 ? 4 : 16;
       const int64_t per_route = (layer.w13.values_stride + layer.w2.values_stride) * 16 +
                                 (layer.w13.scales_stride + layer.w2.scales_stride) * scale_bytes;
-      d.layer = routes * per_route >= kFusedLayerMinBytesPerSm * std::max(sms, 1);
+      d.layer = layer.w13.chunks >= kFusedLayerMinChunks &&
+                routes * per_route >= kFusedLayerMinBytesPerSm * std::max(sms, 1);
     }
   }
   d.grid_items = d.direct              ? plan.y_rows

@@ -178,13 +178,15 @@ class ExpertRunner {
   void set_wgmma_l2_ahead(bool on) { wgmma_l2_ahead_ = on; }
   // Direct-route batches (the combine folded, the variant chosen per batch) may run as one fused
   // layer kernel (expert_kernels.h ExpertLayerParams) where it fits: kFusedLayerAuto (the
-  // default) when the batch's routes stream at least kFusedLayerMinBytesPerSm of weights per SM
-  // (H200: problem B at one token, 1.6 MiB per SM, 79.7 against 83.9 us; problems A and C at 1-2
-  // tokens, 0.1-0.8 MB per SM, 5-45% slower; nothing measured in between, NOTES-cuda.md),
-  // kFusedLayerAlways whenever it fits, kFusedLayerOff never.
+  // default) when GEMM1's K has at least kFusedLayerMinChunks chunks and the batch's routes
+  // stream at least kFusedLayerMinBytesPerSm of weights per SM, kFusedLayerAlways whenever it
+  // fits, kFusedLayerOff never. H200, direct batches (NOTES-cuda.md): faster only at problem B's
+  // one token (112-chunk K, 1.6 MiB per SM: 79.7 against 83.9 us), even at B 2 (146.8 / 146.1);
+  // slower for A (45 chunks) at 1-4 tokens (0.4-1.6 MiB per SM: +3 to +13%) and for C (32).
   static constexpr int kFusedLayerAuto = -1;
   static constexpr int kFusedLayerOff = 0;
   static constexpr int kFusedLayerAlways = 1;
+  static constexpr int kFusedLayerMinChunks = 64;
   static constexpr int64_t kFusedLayerMinBytesPerSm = int64_t{3} << 19;  // 1.5 MiB
   void set_fused_layer(int mode) { fused_layer_ = mode; }
   // Fused layer kernels enqueued so far.
