@@ -209,7 +209,7 @@ void PrintLayerTrace(const cuda::DeviceExpertLayer& layer, cuda::ExpertRunner& r
   CUDA_CHECK_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cuda::DeviceBuffer trace;
   BENCH_CHECK_OK(trace.Reserve(static_cast<size_t>(sms) * 8 * 8));
-  const char* names[] = {"start", "hidden staged", "own GEMM1 done", "all routes ready",
+  const char* names[] = {"prologue done", "hidden staged", "own GEMM1 done", "all routes ready",
                          "act staged", "end"};
   for (const auto& set : sets) {
     CUDA_CHECK_OK(cudaMemsetAsync(trace.get(), 0, trace.size(), stream));
@@ -228,7 +228,9 @@ void PrintLayerTrace(const cuda::DeviceExpertLayer& layer, cuda::ExpertRunner& r
       std::printf("      layer trace: the fused layer kernel did not run\n");
       return;
     }
-    std::printf("      layer trace (us after the first CTA's start, min / median / max over CTAs):");
+    std::printf(
+        "      layer trace (us after the first CTA passed the prologue wait, min / median / max "
+        "over CTAs):");
     for (int i = 0; i < 6; ++i) {
       std::vector<double> v;
       for (int c = 0; c < sms; ++c) {

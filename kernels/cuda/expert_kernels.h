@@ -286,8 +286,8 @@ struct ExpertLayerParams {
   // zero_words).
   int32_t* ready = nullptr;
   // Benchmark aid, null otherwise: thread 0 of each CTA writes the global timer (ns) at 6 points
-  // into trace[cta * 8 + i]: start, hidden rows staged, own GEMM1 rounds done, every route ready,
-  // act rows staged, end.
+  // into trace[cta * 8 + i]: past the programmatic wait for the prologue, hidden rows staged, own
+  // GEMM1 rounds done, every route ready, act rows staged, end.
   unsigned long long* trace = nullptr;
 };
 // Routes of a direct batch: T * K, plus T per shared slot that runs.

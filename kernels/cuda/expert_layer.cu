@@ -179,7 +179,6 @@ struct StepCursor {
   }
 };
 
-template <class Fmt>
 struct LayerContext {
   const ExpertGemmParams& g1;
   const ExpertGemmParams& g2;
@@ -234,7 +233,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   const int routes = route_list[0];
   if (routes == 0) return;  // every output row was zeroed by the prologue
-  const LayerContext<Fmt> ctx{
+  const LayerContext ctx{
       g1,         g2,     L,
       route_list, routes, cta,
       ctas,       warp,   {RoundsOf<0>(L, routes, cta, ctas), RoundsOf<1>(L, routes, cta, ctas)}};
