@@ -434,7 +434,9 @@ int Main() {
     CUDA_CHECK_OK(cudaStreamSynchronize(stream));
     int reps = absl::GetFlag(FLAGS_reps);
     if (reps <= 0) reps = tokens <= 64 ? 200 : (tokens <= 512 ? 60 : 20);
+    const int64_t item_ready_before = runner.item_ready_launches();
     const Stats device = Summarize(TimeGraph(layer, runner, sets, false, reps, stream));
+    const bool item_ready = runner.item_ready_launches() > item_ready_before;
     const Stats e2e = Summarize(TimeGraph(layer, runner, sets, true, std::max(10, reps / 4), stream));
     const std::vector<double> stages = StageSplit(layer, runner, sets, stream);
     nlohmann::json extras = nlohmann::json::array();
@@ -506,6 +508,20 @@ int Main() {
       runner.set_fused_layer(cuda::ExpertRunner::kFusedLayerAlways);
       PrintLayerTrace(layer, runner, sets, stream);
       runner.set_fused_layer(cuda::ExpertRunner::kFusedLayerAuto);
+    }
+    if (!wgmma) {
+      // GEMM2 waiting per item (ExpertRunner::set_item_ready forced on) against the wait for the
+      // whole GEMM1 grid, alternated twice: extras measured later run on a warmer GPU.
+      for (int round = 0; round < 2; ++round) {
+        for (const bool on : {false, true}) {
+          const std::string name = on ? "item_ready" : "no_item_ready";
+          if (!is_wanted(name)) continue;
+          runner.set_item_ready(on ? cuda::ExpertRunner::kItemReadyAlways
+                                   : cuda::ExpertRunner::kItemReadyOff);
+          time_with_stages(name);
+        }
+      }
+      runner.set_item_ready(cuda::ExpertRunner::kItemReadyAuto);
     }
     if (sets[0]->plan.max_count <= 1) {
       // Direct batches with the fused layer kernel forced on and off (the default takes it by
@@ -629,11 +645,12 @@ int Main() {
     const double floor = std::max(memory_floor, compute_floor);
     const double target = TargetFor(problem.name, tokens);
     std::printf(
-        "T=%5lld active=%6.1f groups=%d%s items=%5lld | median %8.1f us (p10 %8.1f p90 %8.1f) | "
+        "T=%5lld active=%6.1f groups=%d%s%s items=%5lld | median %8.1f us (p10 %8.1f p90 %8.1f) | "
         "floor %7.1f us (%s) ratio %.2f | target %6.0f us %s | with copies %8.1f us | stages "
         "%.1f/%.1f/%.1f/%.1f us\n",
         static_cast<long long>(tokens), active, sets[0]->plan.token_groups,
-        wgmma ? absl::StrCat(" (wgmma: ", cuda::kWgmmaTokenGroups, ")").c_str() : "", static_cast<long long>(sets[0]->plan.num_items), device.median, device.p10, device.p90,
+        wgmma ? absl::StrCat(" (wgmma: ", cuda::kWgmmaTokenGroups, ")").c_str() : "",
+        item_ready ? " item-ready" : "", static_cast<long long>(sets[0]->plan.num_items), device.median, device.p10, device.p90,
         floor, memory_floor >= compute_floor ? "memory" : "compute", device.median / floor,
         target, target > 0 ? (device.median <= target ? "MET" : "missed") : "", e2e.median,
         stages[0], stages[1], stages[2], stages[3]);
@@ -642,6 +659,7 @@ int Main() {
                             {"active_experts", active},
                             {"token_groups", sets[0]->plan.token_groups},
                             {"wgmma", wgmma},
+                            {"item_ready", item_ready},
                             {"items", sets[0]->plan.num_items},
                             {"device_graph", ToJson(device)},
                             {"with_host_copies", ToJson(e2e)},

@@ -79,6 +79,7 @@ class CudaExpertBackend final : public ExpertBackend {
     runner_.set_y_bf16(options.wgmma_byte_savers);
     runner_.set_wgmma_l2_ahead(options.wgmma_l2_ahead);
     runner_.set_fused_layer(options.fused_layer);
+    runner_.set_item_ready(options.item_ready);
     runner_.set_programmatic_launch(options.programmatic_launch);
     const int hardware = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     copy_pool_ = std::make_unique<cpu::ThreadPool>(
@@ -107,6 +108,7 @@ class CudaExpertBackend final : public ExpertBackend {
     absl::MutexLock lock(&run_mu_);
     CudaBackendCounters n = counters_;
     n.fused_layer_launches = runner_.fused_layer_launches();
+    n.item_ready_launches = runner_.item_ready_launches();
     return n;
   }
 

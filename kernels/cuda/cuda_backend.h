@@ -47,6 +47,10 @@ struct CudaBackendOptions {
   // measured faster, i.e. long GEMM1 K and many weight bytes per SM, as DeepSeek-V3's layer at
   // one token; 1 whenever it fits; 0 never). Tests cover each.
   int fused_layer = -1;
+  // Two-grid batches on the mma.sync kernels: GEMM2's CTAs start per item as soon as GEMM1's
+  // warps of that item are done, not after the whole GEMM1 grid (ExpertRunner::set_item_ready:
+  // -1 where it measured faster, GEMM1 grids of 0.8 to 4.5 waves; 1 always; 0 never).
+  int item_ready = -1;
   // Batches of up to this many tokens run their kernels as a CUDA graph: the second batch of a
   // shape (ExpertRunner::ShapeKey, with the item grid rounded up by at most 1/8) captures one,
   // later ones replay it, so a Run costs one graph launch instead of three or four kernel
@@ -86,6 +90,8 @@ struct CudaBackendCounters {
   int64_t capture_failures = 0;  // captures that failed (those batches ran eagerly)
   // Fused layer kernels enqueued (eager runs and captures; replays launch what they captured).
   int64_t fused_layer_launches = 0;
+  // GEMM2 launches that waited per item (ExpertGemmParams::item_ready; eager runs and captures).
+  int64_t item_ready_launches = 0;
 };
 // The counters of `backend` when it is a CUDA backend, else all zero.
 CudaBackendCounters GetCudaBackendCounters(const ExpertBackend& backend);

@@ -316,6 +316,59 @@ TEST(CudaBackendVersionsTest, TwoBackendsRunFusedLayersAtOnce) {
   }
 }
 
+// GEMM2 waiting per item (ExpertGemmParams::item_ready, forced on) gives the same bits as GEMM2
+// waiting for the whole GEMM1 grid, batch after batch: the words GEMM2 sets back to zero must be
+// zero for the next batch's GEMM1, whatever its shape (direct and grouped routes, items of one
+// to four token groups), so a stale count would let GEMM2 read act rows before they exist
+// (poisoned scratch: NaN).
+TEST(CudaBackendVersionsTest, PerItemWaitMatchesGridWait) {
+  const std::unique_ptr<OwnedLayer> layer = Layer(77);
+  std::unique_ptr<ExpertBackend> backends[2];
+  for (int i = 0; i < 2; ++i) {
+    CudaBackendOptions options;
+    options.item_ready = i == 0 ? 1 : 0;
+    options.poison_scratch = true;
+    options.graph_max_tokens = i == 0 ? 4 : 0;  // captures and replays on the per-item side
+    absl::StatusOr<std::unique_ptr<ExpertBackend>> made = MakeCudaExpertBackend(options);
+    if (!made.ok()) GTEST_SKIP() << made.status();
+    ASSERT_TRUE((*made)->PrepareLayer(0, layer->layer).ok());
+    backends[i] = *std::move(made);
+  }
+  int runs = 0;
+  for (int round = 0; round < 3; ++round) {
+    for (const int64_t tokens : {1, 2, 7, 19, 40, 3, 1, 30}) {
+      cpu::RandomRequestSpec spec;
+      spec.tokens = tokens;
+      spec.top_k = 4;
+      spec.seed = 100 * round + static_cast<uint64_t>(tokens);
+      OwnedRequest got[2] = {MakeRandomRequest(layer->layer, spec),
+                             MakeRandomRequest(layer->layer, spec)};
+      for (int i = 0; i < 2; ++i) {
+        got[i].Poison();
+        ASSERT_TRUE(backends[i]->Run(0, layer->layer, got[i].Request()).ok());
+      }
+      ++runs;
+      ASSERT_EQ(got[0].out_f32.size(), got[1].out_f32.size());
+      EXPECT_EQ(std::memcmp(got[0].out_f32.data(), got[1].out_f32.data(),
+                            got[0].out_f32.size() * sizeof(float)),
+                0)
+          << "round " << round << ", T=" << tokens;
+      OwnedRequest want = MakeRandomRequest(layer->layer, spec);
+      want.Poison();
+      ASSERT_TRUE(RunExpertsReference(layer->layer, want.Request()).ok());
+      EXPECT_LE(RelErr(got[0], want, tokens * layer->layer.hidden), 1e-2) << "T=" << tokens;
+    }
+  }
+  // Batches on the mma.sync kernels (up to 32 routes per expert; more take the wgmma kernel,
+  // which has no per-item wait) launch one per-item GEMM2 on the forced side; replays launch
+  // what their capture launched.
+  const CudaBackendCounters on = GetCudaBackendCounters(*backends[0]);
+  EXPECT_LE(on.item_ready_launches, on.eager_runs + on.graph_captures);
+  EXPECT_GE(on.item_ready_launches, 9);  // T = 7, 19 and 30 at least, every round
+  EXPECT_EQ(GetCudaBackendCounters(*backends[1]).item_ready_launches, 0);
+  EXPECT_EQ(runs, 24);
+}
+
 // (pinned staging, poisoned scratch, F32 in and out instead of BF16, programmatic launch, the
 // fused layer kernel).
 INSTANTIATE_TEST_SUITE_P(Forms, GraphReplayTest,

@@ -99,12 +99,12 @@ constexpr int CtaRowsOf() {
 // Main loop of one warp over chunks ks, ks + KS, ...: a ring of P chunks of weights in flight,
 // each reloaded right after it is consumed (no register copies), and for kPrefetchB configs a
 // ping-pong pair of B fragment buffers (the next chunk's loads are in flight while this one
-// multiplies). With wait_after_prefetch (GEMM2 under programmatic launch) the first weight loads
-// are issued before waiting for GEMM1's activations.
+// multiplies). The first weight loads are issued before `inputs` (GEMM2 under programmatic launch:
+// GEMM1's activations).
 template <class Fmt, int G, int V>
 __device__ __forceinline__ void WarpMainloop(
     const WeightStream<Fmt, GemmConfig<G, V>::kRw>& stream, int chunks, int ks,
-    const uint4* const (&b_rows)[G], bool wait_after_prefetch,
+    const uint4* const (&b_rows)[G], const InputWait& inputs,
     float (&acc)[GemmConfig<G, V>::kRw][G][4]) {
   using Cfg = GemmConfig<G, V>;
   constexpr int RW = Cfg::kRw, KS = Cfg::kKs, P = Cfg::kPrefetch;
@@ -115,10 +115,7 @@ __device__ __forceinline__ void WarpMainloop(
   Scale s[P][RW];
 #pragma unroll
   for (int i = 0; i < P; ++i) stream.LoadIf(i < n, ks + i * KS, v[i], s[i]);
-  if (wait_after_prefetch) {
-    WaitForPrerequisites();
-    AllowDependents();
-  }
+  WaitForInputs(inputs);
   if constexpr (Cfg::kWarmL1) {
     // Lane (g, t) prefetches the 128-byte lines of chunks i = t, t + 4, ... of token g's rows.
     const int t = threadIdx.x & 3;
@@ -159,7 +156,7 @@ template <class Fmt, int G, int V>
 __device__ __forceinline__ void WarpMainloopRing(const uint4* values,
                                                  const typename Fmt::Scale* scales, int chunks,
                                                  int ks, const uint4* const (&b_rows)[G],
-                                                 bool wait_after_prefetch, uint4* ring_v,
+                                                 const InputWait& inputs, uint4* ring_v,
                                                  typename Fmt::Scale* ring_s, uint64_t policy,
                                                  float (&acc)[1][G][4]) {
   using Cfg = GemmConfig<G, V>;
@@ -184,10 +181,7 @@ __device__ __forceinline__ void WarpMainloopRing(const uint4* values,
   };
 #pragma unroll
   for (int d = 0; d < D - 1; ++d) issue(d < n, d, d);
-  if (wait_after_prefetch) {
-    WaitForPrerequisites();
-    AllowDependents();
-  }
+  WaitForInputs(inputs);
   uint4 b[2][G][2];
   FirstBFragments<G>(n > 0, b_rows, ks, b);
   for (int i0 = 0; i0 < n; i0 += D) {
@@ -305,7 +299,8 @@ __device__ __forceinline__ void GemmBody(const ExpertGemmParams& p, int row_bloc
   float acc[RW][G][4];
   ZeroAccumulators<RW, G>(acc);
 
-  const bool wait_after_prefetch = !kGemm1 || direct;
+  // GEMM2 waits for its item's act rows, GEMM1 with direct routes for the prologue's rows.
+  const InputWait inputs = kGemm1 ? InputWait{direct} : Gemm2InputWait(p, item_index);
   if constexpr (Cfg::kBulk) {
     static_assert(RW == 1, "the bulk main loop streams one tile per warp");
     if (kGemm1 && (p.l2_prefetch & kL2PrefetchNext) != 0 && p.next_values != nullptr && lane == 0) {
@@ -334,22 +329,23 @@ __device__ __forceinline__ void GemmBody(const ExpertGemmParams& p, int row_bloc
     const int c_end = static_cast<int>(static_cast<int64_t>(p.chunks) * (uks + 1) / KS);
     using Ring = BulkRing<Fmt, V>;
     WarpMainloopBulk<Fmt, G, Ring>(p, values, scales, c_begin, c_end - c_begin, b_rows,
-                                   wait_after_prefetch, bulk_ring + uwarp * Ring::kWarpBytes,
+                                   inputs, bulk_ring + uwarp * Ring::kWarpBytes,
                                    bulk_bars + uwarp * Ring::kSlots, acc);
   } else if constexpr (Cfg::kSmemRing) {
     static_assert(RW == 1, "the ring main loop streams one tile per warp");
     constexpr int kWarpChunks = RingDepth<Fmt, V>();
     WarpMainloopRing<Fmt, G, V>(stream.values[0], stream.scales[0], p.chunks, ks, b_rows,
-                                wait_after_prefetch, ring_v + warp * kWarpChunks * kWarpLanes,
+                                inputs, ring_v + warp * kWarpChunks * kWarpLanes,
                                 ring_s + warp * kWarpChunks * 8, L2Policy(p.weights_evict_first),
                                 acc);
   } else {
-    WarpMainloop<Fmt, G, V>(stream, p.chunks, ks, b_rows, wait_after_prefetch, acc);
+    WarpMainloop<Fmt, G, V>(stream, p.chunks, ks, b_rows, inputs, acc);
   }
   ReduceAcrossWarps<G, V>(red, ks, wr, lane, acc);
   if (ks != 0) return;
   if constexpr (kGemm1) {
     EpilogueAct<RW, G>(p, item, tile0, lane, acc);
+    SignalItemReady(p, item_index);  // one of the item's row_blocks * RT signals
   } else {
     EpilogueY<RW, G>(p, item, tile0, lane, acc);
     if constexpr (RW == 1) {
@@ -395,13 +391,17 @@ struct GemmEntry {
   GemmKernel mxfp4_gemm1, mxfp4_gemm2, nvfp4_gemm1, nvfp4_gemm2;
   int threads;
   int cta_rows;
+  int ready_signals;  // per CTA with item_ready: its warps of K-split 0
+  int resident[2];    // [nvfp4] CTAs per SM its launch bounds ask for (0: none asked)
 };
 
 template <int G, int V>
 constexpr GemmEntry Entry() {
   return GemmEntry{KernelOf<Mxfp4, true, G, V>(), KernelOf<Mxfp4, false, G, V>(),
                    KernelOf<Nvfp4, true, G, V>(), KernelOf<Nvfp4, false, G, V>(),
-                   CtaThreads<G, V>(), CtaRowsOf<G, V>()};
+                   CtaThreads<G, V>(), CtaRowsOf<G, V>(), GemmConfig<G, V>::kRt,
+                   {Capped<Mxfp4, G, V>() ? MinCtasPerSm<Mxfp4, G, V>() : 0,
+                    Capped<Nvfp4, G, V>() ? MinCtasPerSm<Nvfp4, G, V>() : 0}};
 }
 
 // Variants of this kernel: token groups <= 2: 0, 1, 2, 4 (variant 3 is the tiled kernel, its
@@ -453,9 +453,44 @@ int GroupsIndex(int token_groups) {
 
 }  // namespace
 
+int64_t GemmItemReadyCount(const GemmLaunch& launch, const ExpertGemmParams& p) {
+  const int index = GroupsIndex(launch.token_groups);
+  if (index < 0 || launch.variant < 0 || launch.variant > kMaxGemmVariant) return 0;
+  const int64_t rows = launch.gemm1 ? 2 * static_cast<int64_t>(p.out_cols) : p.out_valid;
+  if (!GemmUsesStreamingKernel(launch.token_groups, launch.variant)) {
+    GemmLaunch tiled = launch;
+    if (tiled.variant >= 9) tiled.variant = 0;
+    return TiledItemReadyCount(tiled, rows);
+  }
+  const GemmEntry& e = kGemmTable[index][launch.token_groups >= 4 ? 0 : launch.variant];
+  const int64_t row_blocks = (rows + e.cta_rows - 1) / e.cta_rows;
+  return row_blocks * (launch.gemm1 ? e.ready_signals : 1);
+}
+
+double GemmWaves(const GemmLaunch& launch, const ExpertGemmParams& p) {
+  const int index = GroupsIndex(launch.token_groups);
+  if (index < 0 || launch.variant < 0 || launch.variant > kMaxGemmVariant ||
+      !GemmUsesStreamingKernel(launch.token_groups, launch.variant)) {
+    return 0;
+  }
+  const GemmEntry& e = kGemmTable[index][launch.token_groups >= 4 ? 0 : launch.variant];
+  const int resident = e.resident[launch.format == Fp4Format::kNvfp4 ? 1 : 0];
+  int device = 0, sms = 0;
+  if (resident <= 0 || cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      sms <= 0) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  const int64_t rows = launch.gemm1 ? 2 * static_cast<int64_t>(p.out_cols) : p.out_valid;
+  const int64_t row_blocks = (rows + e.cta_rows - 1) / e.cta_rows;
+  return static_cast<double>(row_blocks * launch.num_items) / (static_cast<double>(sms) * resident);
+}
+
 cudaError_t LaunchExpertGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
                              cudaStream_t stream) {
   if (launch.token_groups == kWgmmaTokenGroups) {
+    if (p.item_ready != nullptr) return cudaErrorInvalidValue;  // no per-item readiness there
     if (launch.num_items == 0) return cudaSuccess;
     return LaunchWgmmaGemm(p, launch, stream);
   }
@@ -464,6 +499,10 @@ cudaError_t LaunchExpertGemm(const ExpertGemmParams& p, const GemmLaunch& launch
     return cudaErrorInvalidValue;
   }
   if (launch.num_items == 0) return cudaSuccess;
+  if (p.item_ready != nullptr && !launch.gemm1 &&
+      (p.item_ready_target <= 0 || p.item_ready_waiters != GemmItemReadyCount(launch, p))) {
+    return cudaErrorInvalidValue;
+  }
   if (!GemmUsesStreamingKernel(launch.token_groups, launch.variant)) {
     if (p.direct_ids != nullptr) return cudaErrorInvalidValue;
     if (launch.variant >= 9) {

@@ -38,7 +38,7 @@ template <class Fmt, int G, class Ring>
 __device__ __forceinline__ void WarpMainloopBulk(const ExpertGemmParams& p, const uint4* values,
                                                  const typename Fmt::Scale* scales, int c_begin,
                                                  int n, const uint4* const (&b_rows)[G],
-                                                 bool wait_after_prefetch, unsigned char* ring,
+                                                 const InputWait& inputs, unsigned char* ring,
                                                  uint64_t* bars, float (&acc)[1][G][4]) {
   using Scale = typename Fmt::Scale;
   constexpr int C = Ring::kGroup, D = Ring::kSlots;
@@ -86,10 +86,7 @@ __device__ __forceinline__ void WarpMainloopBulk(const ExpertGemmParams& p, cons
     }
   }
   __syncwarp();
-  if (wait_after_prefetch) {
-    WaitForPrerequisites();
-    AllowDependents();
-  }
+  WaitForInputs(inputs);
   uint4 b[2][G][2];
   FirstBFragments<G>(n > 0, b_rows, c_begin, b);
   for (int j0 = 0; j0 < groups; j0 += D) {

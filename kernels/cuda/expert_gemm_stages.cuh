@@ -40,6 +40,66 @@ __device__ __forceinline__ void StoreRelease(int32_t* p, uint32_t v) {
 __device__ __forceinline__ void AddRelease(int32_t* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+// Relaxed GPU-scope load (no L1 invalidation, unlike the acquire load: spinning on it leaves the
+// L1 lines of the other CTAs on the SM alone), add returning the old value, and store.
+__device__ __forceinline__ int32_t LoadRelaxed(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ int32_t AddRelaxed(int32_t* p, int v) {
+  int32_t old;
+  asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+__device__ __forceinline__ void StoreRelaxed(int32_t* p, int32_t v) {
+  asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// ExpertGemmParams::item_ready. GEMM1, a warp that wrote act rows of item `item_index`: count
+// it once its stores are visible.
+__device__ __forceinline__ void SignalItemReady(const ExpertGemmParams& p, int item_index) {
+  if (p.item_ready == nullptr) return;
+  __threadfence();  // this lane's act stores, before the count
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) AddRelease(p.item_ready + item_index * kItemReadyStride, 1);
+}
+// Where a kernel waits for its predecessor's output (GEMM2: GEMM1's act rows; GEMM1 with direct
+// routes: the prologue's staged rows), then lets the next kernel start launching. Every thread of
+// the CTA calls it. ready null: griddepcontrol.wait (the whole predecessor grid). Else (GEMM2 with
+// item_ready) thread 0 polls *ready with relaxed loads and a growing sleep until it reaches
+// target (its item's GEMM1 warps), takes one acquire load and counts the CTA; the last of the
+// item's `waiters` CTAs sets the word back to zero, so it is zero again when the next batch's
+// GEMM1 starts (the words start at zero). One poller per CTA and a word per 128-byte line: an
+// earlier form with every warp polling one shared line ran 30-70% slower at 1-8 tokens.
+struct InputWait {
+  bool wait = false;              // false: nothing to wait for here
+  int32_t* ready = nullptr;
+  int32_t target = 0;
+  int32_t waiters = 0;
+};
+__device__ __forceinline__ void WaitForInputs(const InputWait& w) {
+  if (!w.wait) return;
+  if (w.ready == nullptr) {
+    WaitForPrerequisites();
+  } else {
+    if (threadIdx.x == 0) {
+      for (unsigned sleep = 32; LoadRelaxed(w.ready) < w.target; sleep = min(2 * sleep, 512u)) {
+        __nanosleep(sleep);
+      }
+      (void)LoadAcquire(w.ready);  // orders the CTA's act reads after the GEMM1 warps' stores
+      if (AddRelaxed(w.ready, 1) == w.target + w.waiters - 1) StoreRelaxed(w.ready, 0);
+    }
+    __syncthreads();  // the other threads' act reads come after thread 0's acquire
+  }
+  AllowDependents();
+}
+// GEMM2's wait of a grouped-route or direct item: item_ready when set, else the grid-wide wait.
+__device__ __forceinline__ InputWait Gemm2InputWait(const ExpertGemmParams& p, int item_index) {
+  return InputWait{true,
+                   p.item_ready != nullptr ? p.item_ready + item_index * kItemReadyStride : nullptr,
+                   p.item_ready_target, p.item_ready_waiters};
+}
 
 // The grouped-route kernels' start (blockIdx.x = row block + row_blocks * item): GEMM1 waits for
 // the prologue that wrote the items and lets GEMM2 start launching; then this CTA's item and row
@@ -581,6 +641,10 @@ cudaError_t LaunchMaybeProgrammatic(void (*kernel)(Params...), unsigned blocks, 
 // The tiled kernel family (expert_gemm_tiled.cu), for token_groups 4 and 8.
 cudaError_t LaunchTiledGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
                             cudaStream_t stream);
+
+// GemmItemReadyCount of the tiled kernel family (GEMM1: every warp of a CTA), where the launch's
+// GEMM has `rows` rows.
+int64_t TiledItemReadyCount(const GemmLaunch& launch, int64_t rows);
 
 // The wgmma kernel (expert_gemm_wgmma.cu), for token_groups kWgmmaTokenGroups (18).
 cudaError_t LaunchWgmmaGemm(const ExpertGemmParams& p, const GemmLaunch& launch,

@@ -184,10 +184,7 @@ __global__ void __launch_bounds__(TiledConfig<G, V>::kThreads, TiledConfig<G, V>
   Scale s[kPrefetch][kRw];
 #pragma unroll
   for (int i = 0; i < kPrefetch; ++i) stream.LoadIf(i < n, i, v[i], s[i]);
-  if constexpr (!kGemm1) {
-    WaitForPrerequisites();
-    AllowDependents();
-  }
+  if constexpr (!kGemm1) WaitForInputs(Gemm2InputWait(p, static_cast<int>(blockIdx.x) / row_blocks));
 
   BStages<G, Cfg::kThreads, kStages> b_stages;
   b_stages.Start(p, item, &smem[0][0][0], n);
@@ -205,6 +202,7 @@ __global__ void __launch_bounds__(TiledConfig<G, V>::kThreads, TiledConfig<G, V>
   }
   if constexpr (kGemm1) {
     EpilogueAct<kRw, G>(p, item, tile0, lane, acc);
+    SignalItemReady(p, static_cast<int>(blockIdx.x) / row_blocks);  // every warp of the CTA
   } else {
     EpilogueY<kRw, G>(p, item, tile0, lane, acc);
   }
@@ -320,10 +318,7 @@ __global__ void __launch_bounds__(TiledBulkConfig<Fmt, V>::kThreads,
     }
   }
   __syncwarp();
-  if constexpr (!kGemm1) {
-    WaitForPrerequisites();
-    AllowDependents();
-  }
+  if constexpr (!kGemm1) WaitForInputs(Gemm2InputWait(p, static_cast<int>(blockIdx.x) / row_blocks));
 
   BStages<G, Cfg::kThreads, kStages> b_stages;
   b_stages.Start(p, item, &smem[0][0][0], n);
@@ -365,6 +360,7 @@ __global__ void __launch_bounds__(TiledBulkConfig<Fmt, V>::kThreads,
   }
   if constexpr (kGemm1) {
     EpilogueAct<kRw, G>(p, item, tile0, lane, acc);
+    SignalItemReady(p, static_cast<int>(blockIdx.x) / row_blocks);  // every warp of the CTA
   } else {
     EpilogueY<kRw, G>(p, item, tile0, lane, acc);
   }
@@ -442,6 +438,16 @@ cudaError_t ConfigureBulkKernels() {
 }
 
 }  // namespace
+
+int64_t TiledItemReadyCount(const GemmLaunch& launch, int64_t rows) {
+  const int groups = launch.token_groups;
+  const int gi = groups == 1 ? 0 : groups == 2 ? 1 : groups == 4 ? 2 : groups == 8 ? 3 : -1;
+  if (gi < 0) return 0;
+  const int v = launch.variant;
+  const TiledEntry& e = kTiledTable[gi][groups <= 2 ? 0 : (v >= 4 && v <= 8) ? v - 1 : v % 3];
+  const int64_t row_blocks = (rows + e.cta_rows - 1) / e.cta_rows;
+  return launch.gemm1 ? row_blocks * (e.threads / kWarpLanes) : row_blocks;  // GEMM1: every warp
+}
 
 cudaError_t LaunchTiledGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
                             cudaStream_t stream) {

@@ -171,6 +171,17 @@ struct ExpertGemmParams {
   // do not depend on them.
   bool weights_evict_first = false;
   int32_t l2_prefetch = 0;
+  // Per-item readiness instead of the grid-wide wait (the mma.sync kernels): GEMM1's warps that
+  // write act rows of item i (route i with direct routes) each add 1 to item_ready[32 * i] after
+  // their stores (release); GEMM2's CTAs of item i wait until that word reaches
+  // item_ready_target (acquire) before reading act rows, instead of griddepcontrol.wait, so
+  // GEMM2's CTAs of finished items run while GEMM1's last CTAs stream. Each GEMM2 CTA then adds 1
+  // too, and the last of the item's item_ready_waiters CTAs sets the word back to zero. Both
+  // GEMMs get the same array (32 words per item), which must be zero before GEMM1 (allocate it
+  // zeroed; a batch whose GEMM2 did not run leaves words set). Null: the grid-wide wait.
+  int32_t* item_ready = nullptr;
+  int32_t item_ready_target = 0;   // GEMM2: GemmItemReadyCount of GEMM1's launch
+  int32_t item_ready_waiters = 0;  // GEMM2: GemmItemReadyCount of its own launch
   const void* next_values = nullptr;     // GEMM2's packed values, or null
   const void* next_scales = nullptr;
   int64_t next_values_stride_bytes = 0;  // per expert slot
@@ -249,6 +260,19 @@ struct GemmLaunch {
 // rows are 2 * I padded to 64 (every act column is written, zeros past I) and GEMM2 rows are H.
 cudaError_t LaunchExpertGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
                              cudaStream_t stream);
+
+// Waves of the grid of a launch of the weight-streaming kernel on the current device (launch
+// .num_items items; p.out_cols / out_valid), counted with the CTAs per SM its launch bounds ask
+// for (the ring variants 4..13); 0 for the other variants and kernels or when the device query
+// fails.
+double GemmWaves(const GemmLaunch& launch, const ExpertGemmParams& p);
+
+// ExpertGemmParams::item_ready words are this many apart (one per 128-byte line).
+inline constexpr int kItemReadyStride = 32;
+// ExpertGemmParams::item_ready: per item, what counts itself in a launch with `launch` and `p`
+// (out_cols, out_valid): GEMM1 (launch.gemm1) the warps that write act rows, GEMM2 its CTAs. 0
+// where the kernel has no per-item readiness (the wgmma kernel).
+int64_t GemmItemReadyCount(const GemmLaunch& launch, const ExpertGemmParams& p);
 
 // Whether (token_groups, variant) runs the weight-streaming kernel (expert_gemm.cu), the only one
 // that takes direct routes.

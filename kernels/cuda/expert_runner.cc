@@ -251,6 +251,17 @@ absl::Status ExpertRunner::Reserve(const DeviceExpertLayer& layer, const RoutePl
   if (absl::Status s = ReserveZeroed(group_scratch_, group_words * 4, "group scratch"); !s.ok()) {
     return s;
   }
+  const void* item_ready_before = item_ready_.get();
+  const size_t item_words = static_cast<size_t>(kItemReadyStride) *
+      static_cast<size_t>(
+          std::max<int64_t>({RoundedItemGrid(plan.num_items), plan.num_items, plan.y_rows, 1}));
+  if (absl::Status s = ReserveZeroed(item_ready_, item_words * 4, "item ready counts"); !s.ok()) {
+    return s;
+  }
+  if (item_ready_.get() != item_ready_before) {
+    ++scratch_generation_;
+    item_ready_dirty_ = false;
+  }
   const size_t counters =
       static_cast<size_t>(plan.tokens) *
       static_cast<size_t>((layer.hidden + kFoldRowsPerBlock - 1) / kFoldRowsPerBlock) * 4;
@@ -362,6 +373,21 @@ ExpertRunner::Decisions ExpertRunner::Decide(const DeviceExpertLayer& layer,
   d.grid_items = d.direct              ? plan.y_rows
                  : round_item_grid_ ? RoundedItemGrid(plan.num_items)
                                     : plan.num_items;
+  if (item_ready_mode_ != kItemReadyOff && programmatic_ && stage_events_ == nullptr &&
+      !d.wgmma) {
+    GemmLaunch g1;
+    g1.format = layer.format;
+    g1.token_groups = plan.token_groups;
+    g1.variant = d.variant;
+    g1.num_items = static_cast<int>(d.grid_items);
+    ExpertGemmParams rows;
+    rows.out_cols = static_cast<int32_t>(layer.inter_padded);
+    d.ready_target = GemmItemReadyCount(g1, rows);
+    if (item_ready_mode_ == kItemReadyAuto) {
+      const double waves = GemmWaves(g1, rows);
+      if (waves < kItemReadyMinWaves || waves > kItemReadyMaxWaves) d.ready_target = 0;
+    }
+  }
   return d;
 }
 
@@ -371,7 +397,7 @@ std::string ExpertRunner::ShapeKey(const DeviceExpertLayer& layer, const DeviceB
   return absl::StrCat(reinterpret_cast<uintptr_t>(&layer), ":", plan.tokens, ":", plan.top_k,
                       ":", plan.num_shared, ":", d.plan.token_groups, ":", d.variant, ":",
                       d.wgmma, d.few, d.direct, d.fold, d.hidden_in_place, d.l2_ahead, d.layer,
-                      ":",
+                      ":", d.ready_target, ":",
                       d.grid_items, ":", batch.hidden_bf16, batch.out_bf16,
                       batch.shared_mask != nullptr);
 }
@@ -500,6 +526,21 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   g2.y_bf16 = wgmma && y_bf16_ && WgmmaStagesEpilogue(variant);
   g2.l2_ahead_tiles = g1.l2_ahead_tiles;
   g2.slot_route = slot_route_.as<int32_t>();
+  if (d.ready_target > 0) {  // the fused layer kernel ignores them (it has its own counters)
+    GemmLaunch launch2 = launch;
+    launch2.gemm1 = false;
+    g1.item_ready = g2.item_ready = item_ready_.as<int32_t>();
+    g2.item_ready_target = static_cast<int32_t>(d.ready_target);
+    g2.item_ready_waiters = static_cast<int32_t>(GemmItemReadyCount(launch2, g2));
+    if (item_ready_dirty_) {  // an earlier batch's GEMM2 did not run: its words may be set
+      if (absl::Status s = CudaStatus(
+              cudaMemsetAsync(item_ready_.get(), 0, item_ready_.size(), stream), "item ready");
+          !s.ok()) {
+        return s;
+      }
+      item_ready_dirty_ = false;
+    }
+  }
   if (d.layer) {
     ExpertLayerParams lp;
     lp.g1 = g1;
@@ -531,8 +572,10 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   if (absl::Status s = CudaStatus(
           LaunchExpertGemm(g2, launch, stream), "GEMM2");
       !s.ok()) {
+    item_ready_dirty_ = d.ready_target > 0;
     return s;
   }
+  if (d.ready_target > 0) ++item_ready_launches_;
   if (absl::Status s = Mark(3, stream); !s.ok()) return s;
   if (fold) return Mark(4, stream);
 

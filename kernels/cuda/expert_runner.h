@@ -189,6 +189,22 @@ class ExpertRunner {
   static constexpr int kFusedLayerMinChunks = 64;
   static constexpr int64_t kFusedLayerMinBytesPerSm = int64_t{3} << 19;  // 1.5 MiB
   void set_fused_layer(int mode) { fused_layer_ = mode; }
+  // Two-grid batches on the mma.sync kernels under programmatic launch: GEMM2's CTAs wait per
+  // item for GEMM1's warps of that item (ExpertGemmParams::item_ready) instead of for the whole
+  // GEMM1 grid. kItemReadyAuto (the default): where GEMM1's grid fills kItemReadyMinWaves to
+  // kItemReadyMaxWaves waves (GemmWaves). H200, weight-streaming kernel (NOTES-cuda.md): faster
+  // at 0.9-2.9 waves (problem C 8 / 64 tokens 47.8 / 100.5 us against 51.7 / 107.0, A 1 29.4
+  // against 30.2, B 8 -1 to -3%), about even at 2.05 (A 8); slower at 0.73 (C 1: 16.7 against
+  // 15.7: the fence and the polling where all GEMM1 CTAs end together) and at 11 (B 64: +1 to
+  // +5%), no gain at 7.8 (A 64). kItemReadyAlways: every such batch; kItemReadyOff: never.
+  static constexpr int kItemReadyAuto = -1;
+  static constexpr int kItemReadyOff = 0;
+  static constexpr int kItemReadyAlways = 1;
+  static constexpr double kItemReadyMinWaves = 0.8;
+  static constexpr double kItemReadyMaxWaves = 4.5;
+  void set_item_ready(int mode) { item_ready_mode_ = mode; }
+  // GEMM2 launches with per-item readiness so far.
+  int64_t item_ready_launches() const { return item_ready_launches_; }
   // Fused layer kernels enqueued so far.
   int64_t fused_layer_launches() const { return fused_layer_launches_; }
   // Benchmark aid: ExpertLayerParams::trace of the fused layer kernel (device memory, 8 words per
@@ -207,6 +223,7 @@ class ExpertRunner {
     bool hidden_in_place = false;
     bool l2_ahead = false;
     bool layer = false;  // the fused layer kernel (LaunchExpertLayer)
+    int64_t ready_target = 0;  // > 0: item_ready with this GEMM2 target (GemmItemReadyCount)
     int64_t grid_items = 0;  // GemmLaunch::num_items
   };
   Decisions Decide(const DeviceExpertLayer& layer, const DeviceBatch& batch,
@@ -229,11 +246,13 @@ class ExpertRunner {
   bool hidden_in_place_ = true;
   bool y_bf16_ = true;
   bool wgmma_l2_ahead_ = false;
+  int item_ready_mode_ = kItemReadyAuto;
   int fused_layer_ = kFusedLayerAuto;
   // Set when a cooperative launch of the fused layer kernel was refused (not all of its CTAs
   // could be resident): later batches do not try again.
   bool layer_unavailable_ = false;
   int64_t fused_layer_launches_ = 0;
+  int64_t item_ready_launches_ = 0;
   unsigned long long* layer_trace_ = nullptr;
   cudaEvent_t* stage_events_ = nullptr;
   DeviceBuffer x_staged_;
@@ -245,7 +264,11 @@ class ExpertRunner {
   DeviceBuffer y_;
   DeviceBuffer group_scratch_;  // ExpertPrologueParams::group_scratch, zero when allocated
   DeviceBuffer fold_counters_;  // zero between batches (the folded combine resets what it uses)
-  DeviceBuffer ready_;          // ExpertLayerParams::ready (zeroed by each batch's prologue)
+  DeviceBuffer ready_;  // ExpertLayerParams::ready (zeroed by each batch's prologue)
+  // ExpertGemmParams::item_ready: zero when allocated, and GEMM2 leaves it at zero; dirty when a
+  // GEMM2 launch failed after its GEMM1 (cleared before the next batch that uses it).
+  DeviceBuffer item_ready_;
+  bool item_ready_dirty_ = false;
 };
 
 }  // namespace moe::cuda

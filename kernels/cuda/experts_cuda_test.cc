@@ -34,7 +34,9 @@ namespace {
 // in its three configurations (0: 4 warpgroups x 1 m64 block, shared-memory weight ring; 1: 2 x 2,
 // register ring; 2: 4 x 1, register ring: printed "w0".."w2"); and the defaults (per-batch choice,
 // "v-1"), once more with the fused layer kernel for every direct batch that fits ("v-1dF"; by
-// default only batches that stream at least 1 MB of weights per SM take it).
+// default only batches that stream at least 1 MB of weights per SM take it), and once with GEMM2
+// waiting for the whole GEMM1 grid instead of per item ("v-1dW"). The defaults case picks per-item
+// readiness per batch as the backend does; every other mma.sync case forces it on.
 constexpr int kGemmVariants = 14;
 struct BackendCase {
   int variant;
@@ -45,17 +47,20 @@ struct BackendCase {
   bool byte_savers = true;    // CudaBackendOptions::wgmma_byte_savers
   bool l2_ahead = false;      // CudaBackendOptions::wgmma_l2_ahead
   int fused_layer = -1;       // CudaBackendOptions::fused_layer (the per-batch default only)
+  int item_ready = 1;         // CudaBackendOptions::item_ready
 };
 const BackendCase kBackendCases[] = {
     {0, true, 0},  {1, true, 0},  {2, true, 0},  {3, true, 0},        {4, true, 0},
     {5, true, 0},  {6, true, 0},  {7, true, 0},  {8, true, 0},        {9, true, 0},
     {10, true, 0}, {11, true, 0}, {12, true, 0}, {13, true, 0},       {0, false, 0},
     {4, false, 0}, {12, false, 0}, {12, false, 0, -1, true},          {10, true, 0, 7},
-    {0, true, 1},  {1, true, 1},  {2, true, 1},  {-1, true, -1},
+    {0, true, 1},  {1, true, 1},  {2, true, 1},  {-1, true, -1, -1, false, true, false, -1, -1},
     // wgmma variant 0 with the hidden rows staged and y in F32, and with L2 ahead.
     {0, true, 1, -1, false, false}, {0, true, 1, -1, false, true, true},
     // The defaults with the fused layer kernel for every direct batch that fits.
-    {-1, true, -1, -1, false, true, false, 1}};
+    {-1, true, -1, -1, false, true, false, 1},
+    // The defaults with GEMM2 waiting for the whole GEMM1 grid instead of per item.
+    {-1, true, -1, -1, false, true, false, -1, 0}};
 
 struct LayerCase {
   std::string name;
@@ -232,7 +237,7 @@ class ExpertsCudaTest : public ::testing::TestWithParam<LayerCase> {
   void SetUp() override {
     std::string why;
     if (cuda::DeviceCount(&why) == 0) GTEST_SKIP() << why;
-    static_assert(sizeof(kBackendCases) / sizeof(kBackendCases[0]) == kGemmVariants + 12);
+    static_assert(sizeof(kBackendCases) / sizeof(kBackendCases[0]) == kGemmVariants + 13);
     for (const BackendCase& bc : kBackendCases) {
       CudaBackendOptions options;
       options.poison_scratch = true;
@@ -244,6 +249,7 @@ class ExpertsCudaTest : public ::testing::TestWithParam<LayerCase> {
       options.wgmma_byte_savers = bc.byte_savers;
       options.wgmma_l2_ahead = bc.l2_ahead;
       options.fused_layer = bc.fused_layer;
+      options.item_ready = bc.item_ready;
       absl::StatusOr<std::unique_ptr<ExpertBackend>> b = MakeCudaExpertBackend(options);
       ASSERT_TRUE(b.ok()) << b.status();
       backends_.push_back(*std::move(b));
@@ -305,6 +311,7 @@ TEST_P(ExpertsCudaTest, MatchesReference) {
                   : !kBackendCases[variant].byte_savers ? "o"
                   : kBackendCases[variant].l2_ahead     ? "a"
                   : kBackendCases[variant].fused_layer == 1 ? "F"
+                  : kBackendCases[variant].item_ready == 0 ? "W"
                                                         : "",
                   static_cast<long long>(tokens), rel,
                   static_cast<long long>(nans), static_cast<unsigned long long>(seed));
