@@ -71,7 +71,8 @@ __device__ __forceinline__ void SignalItemReady(const ExpertGemmParams& p, int i
 // target (its item's GEMM1 warps), takes one acquire load and counts the CTA; the last of the
 // item's `waiters` CTAs sets the word back to zero, so it is zero again when the next batch's
 // GEMM1 starts (the words start at zero). One poller per CTA and a word per 128-byte line: an
-// earlier form with every warp polling one shared line ran 30-70% slower at 1-8 tokens.
+// earlier form with every warp polling one shared line ran up to 74% slower (H200, problem C at
+// one token; NOTES-cuda.md).
 struct InputWait {
   bool wait = false;              // false: nothing to wait for here
   int32_t* ready = nullptr;
