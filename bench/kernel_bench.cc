@@ -61,6 +61,10 @@ ABSL_FLAG(bool, direct_batches, false,
 ABSL_FLAG(bool, layer_trace, false,
           "at batches that run the fused layer kernel, print when its CTAs pass each of its "
           "phases (global timer, us after the first CTA started: min / median / max)");
+ABSL_FLAG(std::string, samples_csv, "",
+          "if set, every timed replay of each point's default line goes to this CSV (tokens, "
+          "replay, wall-clock ms at its end, us per pass), in order: to line the replay times "
+          "up with the clock and power an `nvidia-smi --query-gpu=timestamp,... -lms` log shows");
 ABSL_FLAG(int, extras_max_tokens, 1 << 30,
           "up to this token count also time GEMM variants 1..3 (and launches without PDL up to "
           "64 tokens)");
@@ -148,7 +152,8 @@ void EnqueuePasses(const cuda::DeviceExpertLayer& layer, cuda::ExpertRunner& run
 // Captures the passes into a graph and times `reps` replays; returns microseconds per pass.
 std::vector<double> TimeGraph(const cuda::DeviceExpertLayer& layer, cuda::ExpertRunner& runner,
                               const std::vector<std::unique_ptr<DeviceInputs>>& sets,
-                              bool with_copies, int reps, cudaStream_t stream) {
+                              bool with_copies, int reps, cudaStream_t stream,
+                              std::vector<double>* end_wall_ms = nullptr) {
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   CUDA_CHECK_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
@@ -166,7 +171,14 @@ std::vector<double> TimeGraph(const cuda::DeviceExpertLayer& layer, cuda::Expert
     CUDA_CHECK_OK(cudaEventSynchronize(stop));
     float ms = 0;
     CUDA_CHECK_OK(cudaEventElapsedTime(&ms, start, stop));
-    if (i >= 3) us.push_back(ms * 1e3 / sets.size());
+    if (i >= 3) {
+      us.push_back(ms * 1e3 / sets.size());
+      if (end_wall_ms != nullptr) {
+        end_wall_ms->push_back(std::chrono::duration<double, std::milli>(
+                                   std::chrono::system_clock::now().time_since_epoch())
+                                   .count());
+      }
+    }
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
@@ -435,7 +447,22 @@ int Main() {
     int reps = absl::GetFlag(FLAGS_reps);
     if (reps <= 0) reps = tokens <= 64 ? 200 : (tokens <= 512 ? 60 : 20);
     const int64_t item_ready_before = runner.item_ready_launches();
-    const Stats device = Summarize(TimeGraph(layer, runner, sets, false, reps, stream));
+    std::vector<double> end_wall_ms;
+    const std::vector<double> samples =
+        TimeGraph(layer, runner, sets, false, reps, stream, &end_wall_ms);
+    if (const std::string csv = absl::GetFlag(FLAGS_samples_csv); !csv.empty()) {
+      std::FILE* f = std::fopen(csv.c_str(), "a");
+      if (f == nullptr) {
+        std::fprintf(stderr, "cannot write %s\n", csv.c_str());
+        std::exit(2);
+      }
+      for (size_t i = 0; i < samples.size(); ++i) {
+        std::fprintf(f, "%lld,%zu,%.3f,%.2f\n", static_cast<long long>(tokens), i,
+                     end_wall_ms[i], samples[i]);
+      }
+      std::fclose(f);
+    }
+    const Stats device = Summarize(samples);
     const bool item_ready = runner.item_ready_launches() > item_ready_before;
     const Stats e2e = Summarize(TimeGraph(layer, runner, sets, true, std::max(10, reps / 4), stream));
     const std::vector<double> stages = StageSplit(layer, runner, sets, stream);
