@@ -550,6 +550,19 @@ int Main() {
       }
       runner.set_item_ready(cuda::ExpertRunner::kItemReadyAuto);
     }
+    if (!wgmma) {
+      // The MXFP4 block scale on the accumulators (ExpertRunner::set_acc_scale) against the
+      // scale on the decoded weights (the default), alternated twice.
+      for (int round = 0; round < 2; ++round) {
+        for (const bool on : {false, true}) {
+          const std::string name = on ? "acc_scale" : "no_acc_scale";
+          if (!is_wanted(name)) continue;
+          runner.set_acc_scale(on);
+          time_with_stages(name);
+        }
+      }
+      runner.set_acc_scale(false);
+    }
     if (sets[0]->plan.max_count <= 1) {
       // Direct batches with the fused layer kernel forced on and off (the default takes it by
       // the bytes per SM, ExpertRunner::kFusedLayerMinBytesPerSm).

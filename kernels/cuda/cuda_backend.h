@@ -51,6 +51,9 @@ struct CudaBackendOptions {
   // warps of that item are done, not after the whole GEMM1 grid (ExpertRunner::set_item_ready:
   // -1 where it measured faster, GEMM1 grids of 0.8 to 4.5 waves; 1 always; 0 never).
   int item_ready = -1;
+  // MXFP4 batches of one token group: the block scale on the fp32 accumulators instead of the
+  // decoded weights (ExpertRunner::set_acc_scale; off: measured no faster). Tests cover both.
+  bool acc_scale = false;
   // Batches of up to this many tokens run their kernels as a CUDA graph: the second batch of a
   // shape (ExpertRunner::ShapeKey, with the item grid rounded up by at most 1/8) captures one,
   // later ones replay it, so a Run costs one graph launch instead of three or four kernel

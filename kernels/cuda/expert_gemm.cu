@@ -420,17 +420,30 @@ const GemmEntry kGemmTable[4][kMaxGemmVariant + 1] = {
      Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(), Entry<8, 0>(),
      Entry<8, 0>(), Entry<8, 0>()}};
 
+// ExpertGemmParams::acc_scale (GemmCanScaleAccumulators): MXFP4, one token group, variants 6 and
+// 12, [variant 12][gemm2]; threads and rows as their kGemmTable entries.
+const GemmKernel kAccScaleKernels[2][2] = {
+    {KernelOf<Mxfp4Acc, true, 1, 6>(), KernelOf<Mxfp4Acc, false, 1, 6>()},
+    {KernelOf<Mxfp4Acc, true, 1, 12>(), KernelOf<Mxfp4Acc, false, 1, 12>()}};
+
 // The ring kernels want the largest shared-memory carveout (their occupancy is bounded by shared
 // memory); set once, before their first launch.
 cudaError_t SetRingCarveouts() {
+  const auto set = [](GemmKernel k) {
+    return cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                cudaSharedmemCarveoutMaxShared);
+  };
   for (int gi = 0; gi < 2; ++gi) {
     for (int v = 4; v <= kMaxGemmVariant; ++v) {
       const GemmEntry& e = kGemmTable[gi][v];
       for (GemmKernel k : {e.mxfp4_gemm1, e.mxfp4_gemm2, e.nvfp4_gemm1, e.nvfp4_gemm2}) {
-        const cudaError_t err = cudaFuncSetAttribute(
-            k, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-        if (err != cudaSuccess) return err;
+        if (const cudaError_t err = set(k); err != cudaSuccess) return err;
       }
+    }
+  }
+  for (const auto& pair : kAccScaleKernels) {
+    for (GemmKernel k : pair) {
+      if (const cudaError_t err = set(k); err != cudaSuccess) return err;
     }
   }
   return cudaSuccess;
@@ -489,6 +502,7 @@ double GemmWaves(const GemmLaunch& launch, const ExpertGemmParams& p) {
 
 cudaError_t LaunchExpertGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
                              cudaStream_t stream) {
+  if (p.acc_scale && !GemmCanScaleAccumulators(launch)) return cudaErrorInvalidValue;
   if (launch.token_groups == kWgmmaTokenGroups) {
     if (p.item_ready != nullptr) return cudaErrorInvalidValue;  // no per-item readiness there
     if (launch.num_items == 0) return cudaSuccess;
@@ -528,8 +542,10 @@ cudaError_t LaunchExpertGemm(const ExpertGemmParams& p, const GemmLaunch& launch
   const int64_t blocks = row_blocks * launch.num_items;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   const bool mx = launch.format == Fp4Format::kMxfp4;
-  const GemmKernel kernel = launch.gemm1 ? (mx ? e.mxfp4_gemm1 : e.nvfp4_gemm1)
-                                         : (mx ? e.mxfp4_gemm2 : e.nvfp4_gemm2);
+  const GemmKernel kernel =
+      p.acc_scale ? kAccScaleKernels[launch.variant == 12 ? 1 : 0][launch.gemm1 ? 0 : 1]
+      : launch.gemm1 ? (mx ? e.mxfp4_gemm1 : e.nvfp4_gemm1)
+                     : (mx ? e.mxfp4_gemm2 : e.nvfp4_gemm2);
   return LaunchMaybeProgrammatic(kernel, static_cast<unsigned>(blocks), e.threads,
                                  launch.programmatic, stream, p, static_cast<int>(row_blocks));
 }

@@ -123,11 +123,25 @@ __device__ __forceinline__ bool BlockItem(const ExpertGemmParams& p, int row_blo
 // ---- Weight formats: how a lane's scale data turns into the bf16x2 factor of a k-step.
 struct Mxfp4 {
   using Scale = uint32_t;
+  static constexpr bool kAccScale = false;
   static __device__ __forceinline__ uint32_t Pair(const Scale& s, int step, int row8) {
     return MxScalePair(s, MxScaleByte(step, row8));
   }
 };
+// MXFP4 with the block scale applied to the fp32 accumulators (ExpertGemmParams::acc_scale): each
+// 32-K block's raw decoded fragments (E2M1 x 2^-126, code 0.5 a bf16 subnormal, which mma.sync
+// keeps: bench/probes/mma_subnormal.cu) go into a temporary accumulator, added to the
+// accumulators times the block's scale as an fp32. The B rows are staged times 2^64 so those
+// products stay normal fp32; the epilogues multiply by ExpertGemmParams::acc_unscale (2^-64).
+struct Mxfp4Acc : Mxfp4 {
+  static constexpr bool kAccScale = true;
+  // 2^(byte - 127) as an fp32 (0 for byte 0, infinity for 255), like MxScalePair's bf16.
+  static __device__ __forceinline__ float ScaleF32(const Scale& s, int byte_index) {
+    return __uint_as_float(__byte_perm(s, 0u, 0x0444u | (byte_index << 12)) >> 1);
+  }
+};
 struct Nvfp4 {
+  static constexpr bool kAccScale = false;
   using Scale = uint4;
   static __device__ __forceinline__ uint32_t Pair(const Scale& s, int step, int row8) {
     const uint32_t w = step == 0 ? s.x : step == 1 ? s.y : step == 2 ? s.z : s.w;
@@ -346,6 +360,16 @@ __device__ __forceinline__ void FirstBFragments(bool load, const uint4* const (&
   }
 }
 
+template <int RW, int G>
+__device__ __forceinline__ void ZeroAccumulators(float (&acc)[RW][G][4]) {
+#pragma unroll
+  for (int r = 0; r < RW; ++r)
+#pragma unroll
+    for (int q = 0; q < G; ++q)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[r][q][e] = 0.f;
+}
+
 // Two k-steps (2u, 2u + 1) whose B registers are b[q] (x, y: step 2u; z, w: step 2u + 1), for
 // the first `used` token groups (1..G, warp-uniform; the others' MMAs are predicated off and
 // their b[q] are not read; the default G compiles to no predicate).
@@ -354,6 +378,35 @@ __device__ __forceinline__ void MultiplyHalfChunk(const uint4 (&v)[RW],
                                                   const typename Fmt::Scale (&s)[RW], int u,
                                                   const uint4 (&b)[G], float (&acc)[RW][G][4],
                                                   int used = G) {
+  if constexpr (Fmt::kAccScale) {  // k-steps 2u, 2u + 1 are MXFP4 block u of the chunk
+#pragma unroll
+    for (int r = 0; r < RW; ++r) {
+      float t[G][4];
+#pragma unroll
+      for (int q = 0; q < G; ++q) t[q][0] = t[q][1] = t[q][2] = t[q][3] = 0.f;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        uint32_t raw[4];
+        UnpackFragmentWord(Word(v[r], 2 * u + half), raw);
+#pragma unroll
+        for (int q = 0; q < G; ++q) {
+          if (q == 0 || q < used) {
+            Mma(t[q], raw, half == 0 ? b[q].x : b[q].z, half == 0 ? b[q].y : b[q].w);
+          }
+        }
+      }
+      const float scale_g = Fmt::ScaleF32(s[r], MxScaleByte(2 * u, 0));
+      const float scale_g8 = Fmt::ScaleF32(s[r], MxScaleByte(2 * u, 1));
+#pragma unroll
+      for (int q = 0; q < G; ++q) {
+        acc[r][q][0] = fmaf(t[q][0], scale_g, acc[r][q][0]);  // c0, c1: row g
+        acc[r][q][1] = fmaf(t[q][1], scale_g, acc[r][q][1]);
+        acc[r][q][2] = fmaf(t[q][2], scale_g8, acc[r][q][2]);  // c2, c3: row g + 8
+        acc[r][q][3] = fmaf(t[q][3], scale_g8, acc[r][q][3]);
+      }
+    }
+    return;
+  }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int step = 2 * u + half;
@@ -371,15 +424,6 @@ __device__ __forceinline__ void MultiplyHalfChunk(const uint4 (&v)[RW],
   }
 }
 
-template <int RW, int G>
-__device__ __forceinline__ void ZeroAccumulators(float (&acc)[RW][G][4]) {
-#pragma unroll
-  for (int r = 0; r < RW; ++r)
-#pragma unroll
-    for (int q = 0; q < G; ++q)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[r][q][e] = 0.f;
-}
 
 // B fragments already in registers (loaded a chunk ahead).
 template <class Fmt, int RW, int G>
@@ -478,8 +522,8 @@ template <int RW, int G>
 __device__ __forceinline__ void EpilogueAct(const ExpertGemmParams& p, const ExpertItem& item,
                                             int tile0, int lane, const float (&acc)[RW][G][4]) {
   const int g = lane >> 2, t = lane & 3;
-  const float scale_gate = p.ep_scale[item.expert * 3 + 0];
-  const float scale_up = p.ep_scale[item.expert * 3 + 1];
+  const float scale_gate = p.ep_scale[item.expert * 3 + 0] * p.acc_unscale;
+  const float scale_up = p.ep_scale[item.expert * 3 + 1] * p.acc_unscale;
   WithActKind(p.act.kind, [&](auto kind) {
 #pragma unroll
     for (int r = 0; r < RW; ++r) {
@@ -501,7 +545,8 @@ __device__ __forceinline__ void EpilogueAct(const ExpertGemmParams& p, const Exp
                                                      acc[r][q][2 + e] * scale_up + bias_up)
                    : 0.f;
           const int64_t row = item.slot_begin + col;
-          p.act_out[row * p.out_cols + pos] = __bfloat16_as_ushort(__float2bfloat16_rn(value));
+          p.act_out[row * p.out_cols + pos] =
+              __bfloat16_as_ushort(__float2bfloat16_rn(value * p.act_prescale));
         }
       }
     }
@@ -513,7 +558,7 @@ template <int RW, int G>
 __device__ __forceinline__ void EpilogueY(const ExpertGemmParams& p, const ExpertItem& item,
                                           int tile0, int lane, const float (&acc)[RW][G][4]) {
   const int g = lane >> 2, t = lane & 3;
-  const float scale = p.ep_scale[item.expert * 3 + 2];
+  const float scale = p.ep_scale[item.expert * 3 + 2] * p.acc_unscale;
   int64_t route[G][2];
 #pragma unroll
   for (int q = 0; q < G; ++q)

@@ -80,6 +80,9 @@ struct ExpertPrologueParams {
   // ExpertLayerParams::ready), or null.
   int32_t* zero_words = nullptr;
   int32_t zero_word_count = 0;
+  // Factor on the staged hidden rows before their BF16 rounding (2^64 for GEMM1 with
+  // ExpertGemmParams::acc_scale; a power of two, so the rows are the same values scaled).
+  float x_prescale = 1.f;
   // Outputs.
   uint16_t* x_staged = nullptr;    // [T, hidden_chunks * 64] bf16, permuted per chunk, zero-padded
   int32_t* slot_token = nullptr;   // [routes] token of each grouped slot
@@ -171,6 +174,14 @@ struct ExpertGemmParams {
   // do not depend on them.
   bool weights_evict_first = false;
   int32_t l2_prefetch = 0;
+  // MXFP4 on the streaming kernel's variants 6 and 12 with one token group only: the block scale
+  // applied to the fp32 accumulators once per 32-K block instead of to the decoded weights
+  // (fewer instructions per weight). The B rows must then be staged times 2^64 (the prologue's
+  // x_prescale; GEMM1's act_prescale for GEMM2) and acc_unscale be 2^-64. act_prescale and
+  // acc_unscale apply to every kernel's epilogue through EpilogueAct / EpilogueY: 1 otherwise.
+  bool acc_scale = false;
+  float acc_unscale = 1.f;   // epilogue factor on the accumulators
+  float act_prescale = 1.f;  // GEMM1: factor on the act values before their BF16 rounding
   // Per-item readiness instead of the grid-wide wait (the mma.sync kernels): GEMM1's warps that
   // write act rows of item i (route i with direct routes) each add 1 to item_ready[32 * i] after
   // their stores (release); GEMM2's CTAs of item i wait until that word reaches
@@ -266,6 +277,14 @@ cudaError_t LaunchExpertGemm(const ExpertGemmParams& p, const GemmLaunch& launch
 // for (the ring variants 4..13); 0 for the other variants and kernels or when the device query
 // fails.
 double GemmWaves(const GemmLaunch& launch, const ExpertGemmParams& p);
+
+// Whether GEMM launches like `launch` can take ExpertGemmParams::acc_scale.
+inline bool GemmCanScaleAccumulators(const GemmLaunch& launch) {
+  return launch.format == Fp4Format::kMxfp4 && launch.token_groups == 1 &&
+         (launch.variant == 6 || launch.variant == 12);
+}
+inline constexpr float kAccScalePrescale = 0x1p64f;
+inline constexpr float kAccScaleUnscale = 0x1p-64f;
 
 // ExpertGemmParams::item_ready words are this many apart (one per 128-byte line).
 inline constexpr int kItemReadyStride = 32;

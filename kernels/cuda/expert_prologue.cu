@@ -225,8 +225,14 @@ __device__ void GroupRoutes(const ExpertPrologueParams& p, int b, int G) {
 __device__ __forceinline__ uint32_t HiddenBf16(const ExpertPrologueParams& p, int64_t row_base,
                                                int k) {
   if (k >= p.hidden_size) return 0u;
-  if (p.hidden_bf16) return static_cast<const uint16_t*>(p.hidden)[row_base + k];
-  return __bfloat16_as_ushort(__float2bfloat16_rn(static_cast<const float*>(p.hidden)[row_base + k]));
+  if (p.hidden_bf16) {
+    const uint16_t bits = static_cast<const uint16_t*>(p.hidden)[row_base + k];
+    if (p.x_prescale == 1.f) return bits;
+    return __bfloat16_as_ushort(
+        __float2bfloat16_rn(__bfloat162float(__ushort_as_bfloat16(bits)) * p.x_prescale));
+  }
+  return __bfloat16_as_ushort(
+      __float2bfloat16_rn(static_cast<const float*>(p.hidden)[row_base + k] * p.x_prescale));
 }
 
 // One 16-byte vector of the staged row: vector w of chunk c holds, for lane t = w / 2 and

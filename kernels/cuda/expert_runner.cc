@@ -370,6 +370,13 @@ ExpertRunner::Decisions ExpertRunner::Decide(const DeviceExpertLayer& layer,
                 routes * per_route >= kFusedLayerMinBytesPerSm * std::max(sms, 1);
     }
   }
+  {
+    GemmLaunch g;
+    g.format = layer.format;
+    g.token_groups = plan.token_groups;
+    g.variant = d.variant;
+    d.acc_scale = acc_scale_ && !d.layer && !d.wgmma && GemmCanScaleAccumulators(g);
+  }
   d.grid_items = d.direct              ? plan.y_rows
                  : round_item_grid_ ? RoundedItemGrid(plan.num_items)
                                     : plan.num_items;
@@ -397,7 +404,7 @@ std::string ExpertRunner::ShapeKey(const DeviceExpertLayer& layer, const DeviceB
   return absl::StrCat(reinterpret_cast<uintptr_t>(&layer), ":", plan.tokens, ":", plan.top_k,
                       ":", plan.num_shared, ":", d.plan.token_groups, ":", d.variant, ":",
                       d.wgmma, d.few, d.direct, d.fold, d.hidden_in_place, d.l2_ahead, d.layer,
-                      ":", d.ready_target, ":",
+                      ":", d.ready_target, ":", d.acc_scale, ":",
                       d.grid_items, ":", batch.hidden_bf16, batch.out_bf16,
                       batch.shared_mask != nullptr);
 }
@@ -441,6 +448,7 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   }
   const bool hidden_in_place = d.hidden_in_place;
   pro.stage_hidden = !hidden_in_place;
+  if (d.acc_scale) pro.x_prescale = kAccScalePrescale;
   const bool l2_ahead = d.l2_ahead;
   if (absl::Status s = CudaStatus(LaunchExpertPrologue(pro, stream), "expert prologue");
       !s.ok()) {
@@ -526,6 +534,11 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   g2.y_bf16 = wgmma && y_bf16_ && WgmmaStagesEpilogue(variant);
   g2.l2_ahead_tiles = g1.l2_ahead_tiles;
   g2.slot_route = slot_route_.as<int32_t>();
+  if (d.acc_scale) {  // GEMM1's B rows (staged times 2^64) and its act rows for GEMM2 alike
+    g1.acc_scale = g2.acc_scale = true;
+    g1.acc_unscale = g2.acc_unscale = kAccScaleUnscale;
+    g1.act_prescale = kAccScalePrescale;
+  }
   if (d.ready_target > 0) {  // the fused layer kernel ignores them (it has its own counters)
     GemmLaunch launch2 = launch;
     launch2.gemm1 = false;

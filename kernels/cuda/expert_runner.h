@@ -203,6 +203,12 @@ class ExpertRunner {
   static constexpr double kItemReadyMinWaves = 0.8;
   static constexpr double kItemReadyMaxWaves = 4.5;
   void set_item_ready(int mode) { item_ready_mode_ = mode; }
+  // MXFP4 batches of one token group on variants 6 and 12: the block scale applied to the fp32
+  // accumulators (ExpertGemmParams::acc_scale; the staged rows times 2^64). Off by default, a
+  // bench knob: H200 (NOTES-cuda.md), variant 12 0.3-1.3% faster (C 8 47.0 against 47.7 us,
+  // A 8 / A 64 within the noise), variant 6 3-6% slower (A 1 30.9 against 30.1, C 1 16.8 against
+  // 15.8; it spills 4-8 bytes there).
+  void set_acc_scale(bool on) { acc_scale_ = on; }
   // GEMM2 launches with per-item readiness so far.
   int64_t item_ready_launches() const { return item_ready_launches_; }
   // Fused layer kernels enqueued so far.
@@ -223,6 +229,7 @@ class ExpertRunner {
     bool hidden_in_place = false;
     bool l2_ahead = false;
     bool layer = false;  // the fused layer kernel (LaunchExpertLayer)
+    bool acc_scale = false;  // ExpertGemmParams::acc_scale for both GEMMs
     int64_t ready_target = 0;  // > 0: item_ready with this GEMM2 target (GemmItemReadyCount)
     int64_t grid_items = 0;  // GemmLaunch::num_items
   };
@@ -247,6 +254,7 @@ class ExpertRunner {
   bool y_bf16_ = true;
   bool wgmma_l2_ahead_ = false;
   int item_ready_mode_ = kItemReadyAuto;
+  bool acc_scale_ = false;
   int fused_layer_ = kFusedLayerAuto;
   // Set when a cooperative launch of the fused layer kernel was refused (not all of its CTAs
   // could be resident): later batches do not try again.

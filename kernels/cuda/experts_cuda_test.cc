@@ -36,7 +36,9 @@ namespace {
 // "v-1"), once more with the fused layer kernel for every direct batch that fits ("v-1dF"; by
 // default only batches that stream at least 1 MB of weights per SM take it), and once with GEMM2
 // waiting for the whole GEMM1 grid instead of per item ("v-1dW"). The defaults case picks per-item
-// readiness per batch as the backend does; every other mma.sync case forces it on.
+// readiness per batch as the backend does; every other mma.sync case forces it on. The variant
+// cases 6 and 12 put the MXFP4 block scale on the accumulators (CudaBackendOptions::acc_scale,
+// "v6ds", "v12ds"); the defaults (variants 6 and 12 among them) on the decoded weights.
 constexpr int kGemmVariants = 14;
 struct BackendCase {
   int variant;
@@ -48,13 +50,16 @@ struct BackendCase {
   bool l2_ahead = false;      // CudaBackendOptions::wgmma_l2_ahead
   int fused_layer = -1;       // CudaBackendOptions::fused_layer (the per-batch default only)
   int item_ready = 1;         // CudaBackendOptions::item_ready
+  bool acc_scale = false;     // CudaBackendOptions::acc_scale
 };
 const BackendCase kBackendCases[] = {
     {0, true, 0},  {1, true, 0},  {2, true, 0},  {3, true, 0},        {4, true, 0},
-    {5, true, 0},  {6, true, 0},  {7, true, 0},  {8, true, 0},        {9, true, 0},
-    {10, true, 0}, {11, true, 0}, {12, true, 0}, {13, true, 0},       {0, false, 0},
+    {5, true, 0},  {6, true, 0, -1, false, true, false, -1, 1, true},  {7, true, 0},
+    {8, true, 0},  {9, true, 0},  {10, true, 0}, {11, true, 0},
+    {12, true, 0, -1, false, true, false, -1, 1, true},  {13, true, 0},  {0, false, 0},
     {4, false, 0}, {12, false, 0}, {12, false, 0, -1, true},          {10, true, 0, 7},
-    {0, true, 1},  {1, true, 1},  {2, true, 1},  {-1, true, -1, -1, false, true, false, -1, -1},
+    {0, true, 1},  {1, true, 1},  {2, true, 1},
+    {-1, true, -1, -1, false, true, false, -1, -1},  // the backend's defaults
     // wgmma variant 0 with the hidden rows staged and y in F32, and with L2 ahead.
     {0, true, 1, -1, false, false}, {0, true, 1, -1, false, true, true},
     // The defaults with the fused layer kernel for every direct batch that fits.
@@ -250,6 +255,7 @@ class ExpertsCudaTest : public ::testing::TestWithParam<LayerCase> {
       options.wgmma_l2_ahead = bc.l2_ahead;
       options.fused_layer = bc.fused_layer;
       options.item_ready = bc.item_ready;
+      options.acc_scale = bc.acc_scale;
       absl::StatusOr<std::unique_ptr<ExpertBackend>> b = MakeCudaExpertBackend(options);
       ASSERT_TRUE(b.ok()) << b.status();
       backends_.push_back(*std::move(b));
@@ -312,6 +318,7 @@ TEST_P(ExpertsCudaTest, MatchesReference) {
                   : kBackendCases[variant].l2_ahead     ? "a"
                   : kBackendCases[variant].fused_layer == 1 ? "F"
                   : kBackendCases[variant].item_ready == 0 ? "W"
+                  : kBackendCases[variant].acc_scale      ? "s"
                                                         : "",
                   static_cast<long long>(tokens), rel,
                   static_cast<long long>(nans), static_cast<unsigned long long>(seed));
