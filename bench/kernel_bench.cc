@@ -536,31 +536,28 @@ int Main() {
       PrintLayerTrace(layer, runner, sets, stream);
       runner.set_fused_layer(cuda::ExpertRunner::kFusedLayerAuto);
     }
+    // A knob on (`name`) against off (`no_` + name), alternated twice: extras measured later run
+    // on a warmer GPU, so one order alone would favour the first. `set` turns it on or off.
+    const auto alternate = [&](const std::string& name, const auto& set) {
+      for (int round = 0; round < 2; ++round) {
+        for (const bool on : {false, true}) {
+          const std::string label = on ? name : "no_" + name;
+          if (!is_wanted(label)) continue;
+          set(on);
+          time_with_stages(label);
+        }
+      }
+    };
     if (!wgmma) {
       // GEMM2 waiting per item (ExpertRunner::set_item_ready forced on) against the wait for the
-      // whole GEMM1 grid, alternated twice: extras measured later run on a warmer GPU.
-      for (int round = 0; round < 2; ++round) {
-        for (const bool on : {false, true}) {
-          const std::string name = on ? "item_ready" : "no_item_ready";
-          if (!is_wanted(name)) continue;
-          runner.set_item_ready(on ? cuda::ExpertRunner::kItemReadyAlways
-                                   : cuda::ExpertRunner::kItemReadyOff);
-          time_with_stages(name);
-        }
-      }
+      // whole GEMM1 grid; the MXFP4 block scale on the accumulators (set_acc_scale) against the
+      // scale on the decoded weights (the default).
+      alternate("item_ready", [&](bool on) {
+        runner.set_item_ready(on ? cuda::ExpertRunner::kItemReadyAlways
+                                 : cuda::ExpertRunner::kItemReadyOff);
+      });
       runner.set_item_ready(cuda::ExpertRunner::kItemReadyAuto);
-    }
-    if (!wgmma) {
-      // The MXFP4 block scale on the accumulators (ExpertRunner::set_acc_scale) against the
-      // scale on the decoded weights (the default), alternated twice.
-      for (int round = 0; round < 2; ++round) {
-        for (const bool on : {false, true}) {
-          const std::string name = on ? "acc_scale" : "no_acc_scale";
-          if (!is_wanted(name)) continue;
-          runner.set_acc_scale(on);
-          time_with_stages(name);
-        }
-      }
+      alternate("acc_scale", [&](bool on) { runner.set_acc_scale(on); });
       runner.set_acc_scale(false);
     }
     if (sets[0]->plan.max_count <= 1) {
