@@ -687,7 +687,8 @@ int Main() {
         "%.1f/%.1f/%.1f/%.1f us\n",
         static_cast<long long>(tokens), active, sets[0]->plan.token_groups,
         wgmma ? absl::StrCat(" (wgmma: ", cuda::kWgmmaTokenGroups, ")").c_str() : "",
-        item_ready ? " item-ready" : "", static_cast<long long>(sets[0]->plan.num_items), device.median, device.p10, device.p90,
+        item_ready ? " item-ready" : "", static_cast<long long>(sets[0]->plan.num_items),
+        device.median, device.p10, device.p90,
         floor, memory_floor >= compute_floor ? "memory" : "compute", device.median / floor,
         target, target > 0 ? (device.median <= target ? "MET" : "missed") : "", e2e.median,
         stages[0], stages[1], stages[2], stages[3]);

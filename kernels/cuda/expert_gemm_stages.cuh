@@ -49,7 +49,10 @@ __device__ __forceinline__ int32_t LoadRelaxed(const int32_t* p) {
 }
 __device__ __forceinline__ int32_t AddRelaxed(int32_t* p, int v) {
   int32_t old;
-  asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], %2;"
+               : "=r"(old)
+               : "l"(p), "r"(v)
+               : "memory");
   return old;
 }
 __device__ __forceinline__ void StoreRelaxed(int32_t* p, int32_t v) {
@@ -360,16 +363,6 @@ __device__ __forceinline__ void FirstBFragments(bool load, const uint4* const (&
   }
 }
 
-template <int RW, int G>
-__device__ __forceinline__ void ZeroAccumulators(float (&acc)[RW][G][4]) {
-#pragma unroll
-  for (int r = 0; r < RW; ++r)
-#pragma unroll
-    for (int q = 0; q < G; ++q)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[r][q][e] = 0.f;
-}
-
 // Two k-steps (2u, 2u + 1) whose B registers are b[q] (x, y: step 2u; z, w: step 2u + 1), for
 // the first `used` token groups (1..G, warp-uniform; the others' MMAs are predicated off and
 // their b[q] are not read; the default G compiles to no predicate).
@@ -424,6 +417,15 @@ __device__ __forceinline__ void MultiplyHalfChunk(const uint4 (&v)[RW],
   }
 }
 
+template <int RW, int G>
+__device__ __forceinline__ void ZeroAccumulators(float (&acc)[RW][G][4]) {
+#pragma unroll
+  for (int r = 0; r < RW; ++r)
+#pragma unroll
+    for (int q = 0; q < G; ++q)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[r][q][e] = 0.f;
+}
 
 // B fragments already in registers (loaded a chunk ahead).
 template <class Fmt, int RW, int G>

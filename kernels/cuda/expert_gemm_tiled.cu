@@ -184,7 +184,9 @@ __global__ void __launch_bounds__(TiledConfig<G, V>::kThreads, TiledConfig<G, V>
   Scale s[kPrefetch][kRw];
 #pragma unroll
   for (int i = 0; i < kPrefetch; ++i) stream.LoadIf(i < n, i, v[i], s[i]);
-  if constexpr (!kGemm1) WaitForInputs(Gemm2InputWait(p, static_cast<int>(blockIdx.x) / row_blocks));
+  if constexpr (!kGemm1) {
+    WaitForInputs(Gemm2InputWait(p, static_cast<int>(blockIdx.x) / row_blocks));
+  }
 
   BStages<G, Cfg::kThreads, kStages> b_stages;
   b_stages.Start(p, item, &smem[0][0][0], n);
@@ -318,7 +320,9 @@ __global__ void __launch_bounds__(TiledBulkConfig<Fmt, V>::kThreads,
     }
   }
   __syncwarp();
-  if constexpr (!kGemm1) WaitForInputs(Gemm2InputWait(p, static_cast<int>(blockIdx.x) / row_blocks));
+  if constexpr (!kGemm1) {
+    WaitForInputs(Gemm2InputWait(p, static_cast<int>(blockIdx.x) / row_blocks));
+  }
 
   BStages<G, Cfg::kThreads, kStages> b_stages;
   b_stages.Start(p, item, &smem[0][0][0], n);
