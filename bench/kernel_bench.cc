@@ -47,8 +47,7 @@ ABSL_FLAG(int, variant, -1,
 ABSL_FLAG(std::string, extras, "",
           "comma-separated names of the extra configurations to time (empty: all), the wgmma "
           "points' ones included (mma_sync_no_wgmma, wgmma_variant1, wgmma_variant2, "
-          "wgmma_hidden_staged, wgmma_y_f32, wgmma_l2_ahead, wgmma_staged_y_f32, "
-          "wgmma_pairs and no_wgmma_pairs, alternated twice); a name "
+          "wgmma_hidden_staged, wgmma_y_f32, wgmma_l2_ahead, wgmma_staged_y_f32); a name "
           "that matches none (e.g. none) times none");
 ABSL_FLAG(std::string, backend_tokens, "",
           "comma-separated token counts at which to also time CudaExpertBackend::Run from host "
@@ -549,13 +548,6 @@ int Main() {
         }
       }
     };
-    if (wgmma) {
-      // The wgmma kernel with one CTA barrier per two chunks (variant 3) against variant 0.
-      alternate("wgmma_pairs", [&](bool on) {
-        runner.set_gemm_variant(on ? 3 : absl::GetFlag(FLAGS_variant));
-      });
-      runner.set_gemm_variant(absl::GetFlag(FLAGS_variant));
-    }
     if (!wgmma) {
       // GEMM2 waiting per item (ExpertRunner::set_item_ready forced on) against the wait for the
       // whole GEMM1 grid; the MXFP4 block scale on the accumulators (set_acc_scale) against the

@@ -40,16 +40,14 @@ namespace {
 
 // CTA shapes (GemmLaunch::variant): 0: 4 warpgroups x 1 m64 block (512 threads, 128 registers
 // each: twice the warps to hide each warp's dequant latency), weights through a shared-memory
-// ring WgWStages deep (cp.async, so bytes in flight cost no registers); 1: 2 warpgroups x 2
+// ring kWgWStages deep (cp.async, so bytes in flight cost no registers); 1: 2 warpgroups x 2
 // blocks (256 threads, one block's wgmma group in flight while the other is dequantized), weights
-// through the register ring; 2: 4 x 1 with the register ring; 3: as 0 with one CTA barrier per
-// two chunks (deeper rings: 7 B stages, 10 weight stages for MXFP4, 9 for NVFP4). All: 256 rows.
+// through the register ring; 2: 4 x 1 with the register ring. All: 256 rows.
 template <int V>
 struct WgConfig {
   static constexpr int kGroups = V == 1 ? 2 : 4;   // warpgroups per CTA
   static constexpr int kBlocks = V == 1 ? 2 : 1;   // m64 blocks per warpgroup
-  static constexpr bool kSmemWeights = V == 0 || V == 3;
-  static constexpr int kChunksPerBarrier = V == 3 ? 2 : 1;  // shared-memory weight ring only
+  static constexpr bool kSmemWeights = V == 0;
   static constexpr int kThreads = kGroups * 128;
   static constexpr int kCtaRows = kGroups * kBlocks * 64;  // 256 weight rows
   static constexpr int kCtaTiles = kCtaRows / kTileRows;   // 16
@@ -58,18 +56,9 @@ constexpr int kWgMaxTokens = 144;  // 8 * kWgmmaTokenGroups
 constexpr int kWgStages = 6;
 constexpr int kWgRowBytes = kChunkK * 2;                    // one token's chunk: 128 bytes
 constexpr uint32_t kWgStageBytes = kWgMaxTokens * kWgRowBytes;  // 16 KB
-// Shared-memory weight ring (variants 0, 3): B stages, weight stages, bytes per stage. With C
-// chunks per barrier, a B stage is refilled C + 1 chunks after its chunk (the wgmma groups of the
-// chunk before a barrier may still read theirs), and C + 1 chunks are in flight at each wait:
-// 2C + 3 stages.
-template <class Fmt, int V>
-constexpr int WgBStages() {
-  return 2 * WgConfig<V>::kChunksPerBarrier + 3;
-}
-template <class Fmt, int V>
-constexpr int WgWStages() {
-  return WgConfig<V>::kChunksPerBarrier == 1 ? 12 : std::is_same_v<Fmt, Mxfp4> ? 10 : 9;
-}
+// Shared-memory weight ring (variant 0): B stages, weight stages, bytes per stage.
+constexpr int kWgBStagesW = 5;
+constexpr int kWgWStages = 12;
 template <class Fmt>
 constexpr uint32_t WgCodeStageBytes() {
   return 16 * kChunkBytes;  // 16 tiles x 512 bytes
@@ -81,8 +70,8 @@ constexpr uint32_t WgScaleStageBytes() {
 template <class Fmt, int V>
 constexpr size_t WgSmemBytes() {
   if constexpr (WgConfig<V>::kSmemWeights) {
-    return WgBStages<Fmt, V>() * kWgStageBytes +
-           WgWStages<Fmt, V>() * (WgCodeStageBytes<Fmt>() + WgScaleStageBytes<Fmt>()) + 1024;
+    return kWgBStagesW * kWgStageBytes +
+           kWgWStages * (WgCodeStageBytes<Fmt>() + WgScaleStageBytes<Fmt>()) + 1024;
   } else {
     return kWgStages * kWgStageBytes + 1024;  // + alignment slack
   }
@@ -529,21 +518,18 @@ __device__ __forceinline__ void WgBody(const ExpertGemmParams& p, const ExpertIt
   WgFinish<kGemm1, MB, N>(p, item, tile_base, lane, acc);
 }
 
-// Variants 0 and 3: weights through the shared-memory ring. Per barrier (chunks i .. i + C - 1,
-// C = kChunksPerBarrier; one cp.async group: B and weights of chunks i - C - 1 + S .. i - 2 + S
-// into the stages of chunks i - C - 1 .. i - 2, whose wgmma groups are done: every warpgroup
-// waited for them before the barrier): wait for B(i .. i + C - 1) (their weights came in earlier
-// groups), barrier, refill, then per chunk dequantize from shared memory and issue the wgmma
-// groups. Fewer barriers let the warps drift apart further between two of them.
+// Variant 0: weights through the shared-memory ring. Per chunk i (one cp.async group: B of chunk
+// i + SB - 2 and weights of chunk i + SW - 2, both into the stages of chunk i - 2): wait for
+// B(i) (weights of i came in an earlier group), barrier, refill, then dequantize from shared
+// memory and issue the wgmma group.
 template <class Fmt, bool kGemm1, int V, int N>
 __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const ExpertItem& item,
                                             int row_block, uint32_t smem_base) {
   using Cfg = WgConfig<V>;
   using Scale = typename Fmt::Scale;
-  constexpr int MB = Cfg::kBlocks, C = Cfg::kChunksPerBarrier;
-  constexpr int SB = WgBStages<Fmt, V>(), SW = WgWStages<Fmt, V>();
+  constexpr int MB = Cfg::kBlocks, SB = kWgBStagesW, SW = kWgWStages;
   constexpr int kGroupsPerChunk = MB * kStepsPerChunk;
-  static_assert(Cfg::kCtaTiles == 16 && SW >= SB && (SB - 2 * C - 1) % C == 0);
+  static_assert(Cfg::kCtaTiles == 16 && SW >= SB);
   constexpr uint32_t kCodeStage = WgCodeStageBytes<Fmt>();
   constexpr uint32_t kScaleStage = WgScaleStageBytes<Fmt>();
   const uint32_t code_base = smem_base + SB * kWgStageBytes;
@@ -557,7 +543,7 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const Exp
 
   WgWLoader<Fmt, Cfg::kThreads> wl;
   wl.Init(p, item, row_block);
-  for (int st = 0; st < SW - C - 1 && st < n; ++st) {
+  for (int st = 0; st < SW - 2 && st < n; ++st) {
     wl.Load(code_base + st * kCodeStage, scale_base + st * kScaleStage, st);
   }
   // L2 ahead: thread 0 (which wrote wg_tiles and wg_row_blocks) copies the item of the tile it
@@ -577,12 +563,9 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const Exp
   WgBLoader<N, Cfg::kThreads> loader;
   loader.Init(p, item);
 #pragma unroll
-  for (int st0 = 0; st0 < SB - C - 1; st0 += C) {
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      if (st0 + c < n) loader.Load(smem_base + (st0 + c) * kWgStageBytes, st0 + c);
-    }
-    WgCpAsyncCommit();  // B(st0 .. st0 + C - 1) (+ the weights above in the first group)
+  for (int st = 0; st < SB - 2; ++st) {
+    if (st < n) loader.Load(smem_base + st * kWgStageBytes, st);
+    WgCpAsyncCommit();  // group st: B(st) (+ the weights above in group 0)
   }
 
   float acc[MB][N / 2];
@@ -591,55 +574,41 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const Exp
   const uint64_t desc_base = SmemDescriptor(smem_base);
 
   int bstage = 0, wstage = 0;  // i % SB, i % SW
-  for (int i = 0; i < n; i += C) {
-    WgCpAsyncWait<(SB - 2 * C - 1) / C>();
+  for (int i = 0; i < n; ++i) {
+    WgCpAsyncWait<SB - 3>();
     FenceProxyAsync();
     __syncthreads();
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const int brefill = i - C - 1 + c + SB;
-      int brefill_stage = bstage + SB - C - 1 + c;  // brefill % SB
-      if (brefill_stage >= SB) brefill_stage -= SB;
-      if (brefill < n) loader.Load(smem_base + brefill_stage * kWgStageBytes, brefill);
-      const int wrefill = i - C - 1 + c + SW;
-      int wrefill_stage = wstage + SW - C - 1 + c;
-      if (wrefill_stage >= SW) wrefill_stage -= SW;
-      if (wrefill < n) {
-        wl.Load(code_base + wrefill_stage * kCodeStage, scale_base + wrefill_stage * kScaleStage,
-                wrefill);
-      }
+    const int brefill = i + SB - 2;
+    const int brefill_stage = bstage >= 2 ? bstage - 2 : bstage + SB - 2;
+    if (brefill < n) loader.Load(smem_base + brefill_stage * kWgStageBytes, brefill);
+    const int wrefill = i + SW - 2;
+    const int wrefill_stage = wstage >= 2 ? wstage - 2 : wstage + SW - 2;
+    if (wrefill < n) {
+      wl.Load(code_base + wrefill_stage * kCodeStage, scale_base + wrefill_stage * kScaleStage,
+              wrefill);
     }
     WgCpAsyncCommit();
+    const uint64_t stage_desc = desc_base + bstage * (kWgStageBytes >> 4);
+    const uint32_t code_stage = code_base + wstage * kCodeStage;
+    const uint32_t scale_stage = scale_base + wstage * kScaleStage;
 #pragma unroll
-    for (int c = 0; c < C; ++c) {
-      if (c > 0 && i + c >= n) break;
-      int bs = bstage + c, ws = wstage + c;
-      if (bs >= SB) bs -= SB;
-      if (ws >= SW) ws -= SW;
-      const uint64_t stage_desc = desc_base + bs * (kWgStageBytes >> 4);
-      const uint32_t code_stage = code_base + ws * kCodeStage;
-      const uint32_t scale_stage = scale_base + ws * kScaleStage;
+    for (int b = 0; b < MB; ++b) {
+      const int slot = slot_base + 4 * b;
+      uint4 v;
+      Scale sc;
+      LdShared(code_stage + (slot * kWarpLanes + lane) * 16, v);
+      if constexpr (sizeof(Scale) == 16) {
+        LdShared(scale_stage + (slot * 8 + g) * 16, sc);
+      } else {
+        LdShared(scale_stage + (slot * 8 + g) * 4, sc);
+      }
 #pragma unroll
-      for (int b = 0; b < MB; ++b) {
-        const int slot = slot_base + 4 * b;
-        uint4 v;
-        Scale sc;
-        LdShared(code_stage + (slot * kWarpLanes + lane) * 16, v);
-        if constexpr (sizeof(Scale) == 16) {
-          LdShared(scale_stage + (slot * 8 + g) * 16, sc);
-        } else {
-          LdShared(scale_stage + (slot * 8 + g) * 4, sc);
-        }
-#pragma unroll
-        for (int step = 0; step < kStepsPerChunk; ++step) {
-          WgStep<Fmt, N, kGroupsPerChunk>(v, sc, step, a[b][step], acc[b], stage_desc);
-        }
+      for (int step = 0; step < kStepsPerChunk; ++step) {
+        WgStep<Fmt, N, kGroupsPerChunk>(v, sc, step, a[b][step], acc[b], stage_desc);
       }
     }
-    bstage += C;
-    if (bstage >= SB) bstage -= SB;
-    wstage += C;
-    if (wstage >= SW) wstage -= SW;
+    bstage = bstage == SB - 1 ? 0 : bstage + 1;
+    wstage = wstage == SW - 1 ? 0 : wstage + 1;
   }
   static_assert(MB == 1 && WgSmemBytes<Fmt, V>() >= kWgStagedEpilogueBytes + 1024);
   WgmmaWait<0>();
@@ -652,7 +621,7 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const Exp
   if (p.l2_ahead_tiles > 0 && warp == 0 && wg_ahead_tile < wg_tiles) {
     const ExpertItem ahead = wg_ahead_item;
     const int tile = (wg_ahead_tile % wg_row_blocks) * Cfg::kCtaTiles + (lane & 15);
-    const int chunks = min(n, WgWStages<Fmt, V>() - 2);
+    const int chunks = min(n, SW - 2);
     if (tile < p.tiles) {
       const int64_t first = static_cast<int64_t>(tile) * p.chunks;
       if (lane < 16) {
@@ -728,7 +697,7 @@ __global__ void __launch_bounds__(WgConfig<V>::kThreads, 1)
 
 using WgKernel = void (*)(ExpertGemmParams, int);
 // [variant][nvfp4][gemm2]
-constexpr int kWgVariants = 4;
+constexpr int kWgVariants = 3;
 struct WgLaunchEntry {
   WgKernel kernel;
   int smem;
@@ -748,7 +717,6 @@ WgLaunchEntry WgEntryOf(int nv, int gemm2) {
 WgLaunchEntry WgLookup(int v, int nv, int gemm2) {
   return v == 1   ? WgEntryOf<1>(nv, gemm2)
          : v == 2 ? WgEntryOf<2>(nv, gemm2)
-         : v == 3 ? WgEntryOf<3>(nv, gemm2)
                   : WgEntryOf<0>(nv, gemm2);
 }
 

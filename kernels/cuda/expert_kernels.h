@@ -256,9 +256,9 @@ struct GemmLaunch {
   // split, ring of 8 chunks in groups of 2; 9 = two row warps x 2-way K split, 12 chunks; 10 = one
   // row warp x 4-way K split, 12 chunks; 11 = as 8 with 12 chunks in 3 groups of 4; 12 = as 8 with
   // 2 groups of 4 (10 CTAs per SM); 13 = as 12 with 12 CTAs per SM (fewer registers). token_groups
-  // 18 (wgmma): 0 = 4 warpgroups x 1 m64 block with a shared-memory weight ring (also 4..13), 1 = 2
-  // x 2 with the register ring, 2 = 4 x 1 with the register ring, 3 = as 0 with one CTA barrier per
-  // two chunks. 0 is the measured best (NOTES-cuda.md; wgmma 0 and 2 tie).
+  // 18 (wgmma): 0 = 4 warpgroups x 1 m64 block with a shared-memory weight ring (also 3..13), 1 = 2
+  // x 2 with the register ring, 2 = 4 x 1 with the register ring. 0 is the measured best
+  // (NOTES-cuda.md; wgmma 0 and 2 tie).
   int variant = 0;
   int num_items = 0;     // the host's count (the device writes the same to *p.num_items)
   // Programmatic dependent launch: the kernel may start before its predecessor in the stream

@@ -31,9 +31,8 @@ namespace {
 // not) and the wgmma kernel off; variants 0, 4 and 12 with the grouped path always, 12 also with
 // the combine folded into GEMM2 for grouped routes ("f"); variant 10 with every L2 prefetch hint on
 // (bits 7, "p"); the wgmma kernel for every batch (wgmma_min_tokens 1, items of up to 144 tokens)
-// in its four configurations (0: 4 warpgroups x 1 m64 block, shared-memory weight ring; 1: 2 x 2,
-// register ring; 2: 4 x 1, register ring; 3: as 0 with one CTA barrier per two chunks: printed
-// "w0".."w3"); and the defaults (per-batch choice,
+// in its three configurations (0: 4 warpgroups x 1 m64 block, shared-memory weight ring; 1: 2 x 2,
+// register ring; 2: 4 x 1, register ring: printed "w0".."w2"); and the defaults (per-batch choice,
 // "v-1"), once more with the fused layer kernel for every direct batch that fits ("v-1dF"; by
 // default only batches that stream at least 1 MB of weights per SM take it), and once with GEMM2
 // waiting for the whole GEMM1 grid instead of per item ("v-1dW"). The defaults case picks per-item
@@ -66,9 +65,7 @@ const BackendCase kBackendCases[] = {
     // The defaults with the fused layer kernel for every direct batch that fits.
     {-1, true, -1, -1, false, true, false, 1},
     // The defaults with GEMM2 waiting for the whole GEMM1 grid instead of per item.
-    {-1, true, -1, -1, false, true, false, -1, 0},
-    // wgmma variant 3 (one CTA barrier per two chunks).
-    {3, true, 1}};
+    {-1, true, -1, -1, false, true, false, -1, 0}};
 
 struct LayerCase {
   std::string name;
@@ -245,7 +242,7 @@ class ExpertsCudaTest : public ::testing::TestWithParam<LayerCase> {
   void SetUp() override {
     std::string why;
     if (cuda::DeviceCount(&why) == 0) GTEST_SKIP() << why;
-    static_assert(sizeof(kBackendCases) / sizeof(kBackendCases[0]) == kGemmVariants + 14);
+    static_assert(sizeof(kBackendCases) / sizeof(kBackendCases[0]) == kGemmVariants + 13);
     for (const BackendCase& bc : kBackendCases) {
       CudaBackendOptions options;
       options.poison_scratch = true;
