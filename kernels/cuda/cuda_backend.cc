@@ -81,6 +81,8 @@ class CudaExpertBackend final : public ExpertBackend {
     runner_.set_fused_layer(options.fused_layer);
     runner_.set_item_ready(options.item_ready);
     runner_.set_acc_scale(options.acc_scale);
+    runner_.set_early_weights(options.early_weights);
+    runner_.set_early_skew_for_testing(options.early_weights_skew_for_testing);
     runner_.set_programmatic_launch(options.programmatic_launch);
     const int hardware = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     copy_pool_ = std::make_unique<cpu::ThreadPool>(
@@ -110,6 +112,7 @@ class CudaExpertBackend final : public ExpertBackend {
     CudaBackendCounters n = counters_;
     n.fused_layer_launches = runner_.fused_layer_launches();
     n.item_ready_launches = runner_.item_ready_launches();
+    n.early_weights_launches = runner_.early_weights_launches();
     return n;
   }
 
@@ -530,14 +533,27 @@ CudaBackendCounters GetCudaBackendCounters(const ExpertBackend& backend) {
 
 absl::StatusOr<std::unique_ptr<ExpertBackend>> MakeCudaExpertBackend(
     const CudaBackendOptions& options) {
-  std::string why;
-  const int count = cuda::DeviceCount(&why);
-  if (count == 0) return absl::FailedPreconditionError(absl::StrCat("--backend=cuda: ", why));
   if (options.gemm_variant < -1 || options.gemm_variant > cuda::kMaxGemmVariant) {
     return absl::InvalidArgumentError(absl::StrCat("cuda backend: gemm_variant ",
                                                    options.gemm_variant, " is not in 0..",
                                                    cuda::kMaxGemmVariant));
   }
+  // The three-way settings: -1 (the measured default), 0 (never) or 1 (always).
+  const struct {
+    const char* name;
+    int value;
+  } modes[] = {{"fused_layer", options.fused_layer},
+               {"item_ready", options.item_ready},
+               {"early_weights", options.early_weights}};
+  for (const auto& m : modes) {
+    if (m.value < -1 || m.value > 1) {
+      return absl::InvalidArgumentError(absl::StrCat("cuda backend: ", m.name, " ", m.value,
+                                                     " is not -1 (default), 0 (off) or 1 (on)"));
+    }
+  }
+  std::string why;
+  const int count = cuda::DeviceCount(&why);
+  if (count == 0) return absl::FailedPreconditionError(absl::StrCat("--backend=cuda: ", why));
   if (options.device < 0 || options.device >= count) {
     return absl::FailedPreconditionError(absl::StrCat(
         "--backend=cuda: device ", options.device, " requested, ", count, " present"));
