@@ -559,12 +559,6 @@ int Main() {
       runner.set_item_ready(cuda::ExpertRunner::kItemReadyAuto);
       alternate("acc_scale", [&](bool on) { runner.set_acc_scale(on); });
       runner.set_acc_scale(false);
-      // GEMM1's first wave starting its weights before the prologue is done (grouped routes).
-      alternate("early_weights", [&](bool on) {
-        runner.set_early_weights(on ? cuda::ExpertRunner::kEarlyWeightsAlways
-                                    : cuda::ExpertRunner::kEarlyWeightsOff);
-      });
-      runner.set_early_weights(cuda::ExpertRunner::kEarlyWeightsAuto);
     }
     if (sets[0]->plan.max_count <= 1) {
       // Direct batches with the fused layer kernel forced on and off (the default takes it by

@@ -81,8 +81,6 @@ class CudaExpertBackend final : public ExpertBackend {
     runner_.set_fused_layer(options.fused_layer);
     runner_.set_item_ready(options.item_ready);
     runner_.set_acc_scale(options.acc_scale);
-    runner_.set_early_weights(options.early_weights);
-    runner_.set_early_skew_for_testing(options.early_weights_skew_for_testing);
     runner_.set_programmatic_launch(options.programmatic_launch);
     const int hardware = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     copy_pool_ = std::make_unique<cpu::ThreadPool>(
@@ -112,7 +110,6 @@ class CudaExpertBackend final : public ExpertBackend {
     CudaBackendCounters n = counters_;
     n.fused_layer_launches = runner_.fused_layer_launches();
     n.item_ready_launches = runner_.item_ready_launches();
-    n.early_weights_launches = runner_.early_weights_launches();
     return n;
   }
 
@@ -542,9 +539,7 @@ absl::StatusOr<std::unique_ptr<ExpertBackend>> MakeCudaExpertBackend(
   const struct {
     const char* name;
     int value;
-  } modes[] = {{"fused_layer", options.fused_layer},
-               {"item_ready", options.item_ready},
-               {"early_weights", options.early_weights}};
+  } modes[] = {{"fused_layer", options.fused_layer}, {"item_ready", options.item_ready}};
   for (const auto& m : modes) {
     if (m.value < -1 || m.value > 1) {
       return absl::InvalidArgumentError(absl::StrCat("cuda backend: ", m.name, " ", m.value,

@@ -54,12 +54,6 @@ struct CudaBackendOptions {
   // MXFP4 batches of one token group: the block scale on the fp32 accumulators instead of the
   // decoded weights (ExpertRunner::set_acc_scale; off: measured no faster). Tests cover both.
   bool acc_scale = false;
-  // Grouped-route batches on the bulk-copy GEMM variants: GEMM1's first-wave CTAs work out their
-  // item's expert from the ids and start streaming its weights while the prologue groups the
-  // routes (ExpertRunner::set_early_weights: -1 the measured default, 1 always, 0 never).
-  int early_weights = -1;
-  // Test hook: wrong early predictions (ExpertRunner::set_early_skew_for_testing).
-  int early_weights_skew_for_testing = 0;
   // Batches of up to this many tokens run their kernels as a CUDA graph: the second batch of a
   // shape (ExpertRunner::ShapeKey, with the item grid rounded up by at most 1/8) captures one,
   // later ones replay it, so a Run costs one graph launch instead of three or four kernel
@@ -101,8 +95,6 @@ struct CudaBackendCounters {
   int64_t fused_layer_launches = 0;
   // GEMM2 launches that waited per item (ExpertGemmParams::item_ready; eager runs and captures).
   int64_t item_ready_launches = 0;
-  // GEMM1 launches with early weights (ExpertGemmParams::early_ctas; eager runs and captures).
-  int64_t early_weights_launches = 0;
 };
 // The counters of `backend` when it is a CUDA backend, else all zero.
 CudaBackendCounters GetCudaBackendCounters(const ExpertBackend& backend);

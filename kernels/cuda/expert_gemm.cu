@@ -12,7 +12,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "kernels/cuda/expert_gemm_bulk.cuh"
@@ -239,114 +238,6 @@ __device__ __forceinline__ void ReduceAcrossWarps(float* red, int ks, int wr, in
   }
 }
 
-// ---- Early weights (ExpertGemmParams::early_ctas): the expert slot of item `item_index` as the
-// prologue cuts the items (GroupRoutes: slots in order, ceil(count / tile_tokens) items each),
-// counted from the batch's ids and shared-expert mask; -1 where there is no such item or
-// `words` 32-bit words of `scratch` (shared memory, free until the return) are too few. Whole
-// CTA (barriers).
-__device__ __forceinline__ int PredictItemSlot(const ExpertGemmParams& p, int item_index,
-                                               int32_t* scratch, int words) {
-  const int slots = p.early_experts + p.early_shared;
-  const int threads = static_cast<int>(blockDim.x), tid = static_cast<int>(threadIdx.x);
-  const int lane = tid & 31, warp = tid >> 5, warps = threads / 32;
-  const int tile = p.early_tile_tokens;
-  if (slots <= 0 || slots + warps + 1 > words || tile <= 0) return -1;  // uniform
-  int32_t* count = scratch;
-  int32_t* warp_items = scratch + slots;
-  int32_t* found = warp_items + warps;
-  for (int e = tid; e < slots; e += threads) count[e] = 0;
-  if (tid == 0) *found = -1;
-  __syncthreads();
-  const int routes = p.early_tokens * p.early_top_k;
-  for (int r = tid; r < routes; r += threads) {
-    const int id = p.early_ids[r];
-    if (id >= 0 && id < slots) atomicAdd(&count[id], 1);
-  }
-  if (p.early_mask != nullptr) {
-    for (int t = tid; t < p.early_tokens; t += threads) {
-      if (p.early_mask[t] == 0) continue;
-      for (int q = 0; q < p.early_shared; ++q) atomicAdd(&count[p.early_experts + q], 1);
-    }
-  }
-  __syncthreads();
-  // Each thread a contiguous run of slots; an exclusive scan of the runs' item counts.
-  const int per = (slots + threads - 1) / threads;
-  const int begin = min(slots, tid * per), end = min(slots, begin + per);
-  int items = 0;
-  for (int e = begin; e < end; ++e) items += (count[e] + tile - 1) / tile;
-  int inclusive = items;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int up = __shfl_up_sync(0xffffffffu, inclusive, d);
-    if (lane >= d) inclusive += up;
-  }
-  if (lane == 31) warp_items[warp] = inclusive;
-  __syncthreads();
-  int first = inclusive - items;
-  for (int w = 0; w < warp; ++w) first += warp_items[w];
-  for (int e = begin; e < end; ++e) {
-    const int n = (count[e] + tile - 1) / tile;
-    if (item_index >= first && item_index < first + n) *found = e;
-    first += n;
-  }
-  __syncthreads();
-  int slot = *found;
-  if (slot >= 0 && p.early_skew != 0) slot = (slot + p.early_skew) % slots;  // tests only
-  __syncthreads();  // the scratch is free again
-  return slot;
-}
-
-// ---- Bulk-copy variants: warp `warp`'s stream of expert slot `expert` (its tile of row block
-// `row_block`, its K range of the K split: contiguous, so bulk copies take several chunks at once).
-// Warp-uniform copies of the warp index and the expert slot (broadcast from lane 0), so the
-// compiler keeps the copy addresses in uniform registers.
-template <int G, int V>
-__device__ __forceinline__ int BulkWarpBegin(const ExpertGemmParams& p, int warp) {
-  constexpr int KS = GemmConfig<G, V>::kKs;
-  const int uks = __shfl_sync(0xffffffffu, warp, 0) % KS;
-  return static_cast<int>(static_cast<int64_t>(p.chunks) * uks / KS);
-}
-template <class Fmt, int G, int V>
-__device__ __forceinline__ BulkStream<Fmt, BulkRing<Fmt, V>> BulkWarpStream(
-    const ExpertGemmParams& p, int expert, int row_block, int warp, unsigned char* bulk_ring,
-    uint64_t* bulk_bars) {
-  using Cfg = GemmConfig<G, V>;
-  constexpr int RT = Cfg::kRt, KS = Cfg::kKs;
-  using Ring = BulkRing<Fmt, V>;
-  const int uwarp = __shfl_sync(0xffffffffu, warp, 0);
-  const int uexpert = __shfl_sync(0xffffffffu, expert, 0);
-  const int uks = uwarp % KS;
-  const int utile = row_block * RT + uwarp / KS;
-  const int64_t base = static_cast<int64_t>(utile < p.tiles ? utile : 0) * p.chunks;
-  const uint4* values =
-      static_cast<const uint4*>(p.values) + uexpert * p.values_expert_stride + base * kWarpLanes;
-  const auto* scales = static_cast<const typename Fmt::Scale*>(p.scales) +
-                       uexpert * p.scales_expert_stride + base * 8;
-  const int c_begin = static_cast<int>(static_cast<int64_t>(p.chunks) * uks / KS);
-  const int c_end = static_cast<int>(static_cast<int64_t>(p.chunks) * (uks + 1) / KS);
-  return BulkStream<Fmt, Ring>(p, values, scales, c_begin, c_end - c_begin,
-                               bulk_ring + uwarp * Ring::kWarpBytes,
-                               bulk_bars + uwarp * Ring::kSlots);
-}
-
-// Early weights: the predicted slot, whose first groups every warp's lane 0 has issued; -1: none.
-// Not inlined: its registers stay out of the main loop's allocation (inlined, ptxas spilled
-// 20-136 bytes in the GEMM1 kernels of variants 8..13, inside their loops).
-template <class Fmt, int G, int V>
-__device__ __noinline__ int EarlyStart(const ExpertGemmParams& p, int item_index, int row_block,
-                                       unsigned char* bulk_ring, int ring_bytes,
-                                       uint64_t* bulk_bars) {
-  const int slot =
-      PredictItemSlot(p, item_index, reinterpret_cast<int32_t*>(bulk_ring), ring_bytes / 4);
-  if (slot >= 0) {  // every lane (the stream's warp-uniform values come from shuffles)
-    const auto bs = BulkWarpStream<Fmt, G, V>(p, slot, row_block,
-                                              static_cast<int>(threadIdx.x >> 5), bulk_ring,
-                                              bulk_bars);
-    if ((threadIdx.x & 31) == 0) bs.Start(p);
-  }
-  return slot;
-}
-
 // ---- The kernel: blockIdx.x = row block + row_blocks * item (row blocks of one item adjacent,
 // so the CTAs reading one item's activations run together; items of one expert are adjacent
 // too, so token tiles that re-read an expert's weights find them in L2). Under programmatic
@@ -368,40 +259,22 @@ __device__ __forceinline__ void GemmBody(const ExpertGemmParams& p, int row_bloc
   __shared__ uint64_t bulk_bars[kBulkWarps > 0 ? kBulkWarps * BulkRing<Fmt, V>::kSlots : 1];
 
   const bool direct = p.direct_ids != nullptr;
-  const int item_index = static_cast<int>(blockIdx.x / row_blocks);
-  const int row_block = static_cast<int>(blockIdx.x % row_blocks);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  // Early weights (ExpertGemmParams::early_ctas): the slot this CTA predicted for its item, whose
-  // first weight groups its warps have in flight; -1: none.
-  int early_slot = -1;
-  if constexpr (kGemm1 && Cfg::kBulk) {
-    if (!direct && static_cast<int>(blockIdx.x) < p.early_ctas) {
-      early_slot = EarlyStart<Fmt, G, V>(p, item_index, row_block, bulk_ring, kBulkRingBytes,
-                                         bulk_bars);
-    }
-  }
   if constexpr (kGemm1) {
     if (!direct) WaitForPrerequisites();
     AllowDependents();
   }
+  const int item_index = static_cast<int>(blockIdx.x / row_blocks);
+  const int row_block = static_cast<int>(blockIdx.x % row_blocks);
   ExpertItem item;
   if (direct) {
     const int expert = DirectExpert(p, item_index);
     if (expert < 0) return;  // whole CTA
     item = ExpertItem{expert, item_index, 1, 0};
   } else {
-    if (item_index >= *p.num_items) {  // whole CTA: no barrier is skipped by part of it
-      if constexpr (kGemm1 && Cfg::kBulk) {
-        if (early_slot >= 0) {  // a wrong prediction: no copy may outlive the CTA
-          const auto early =
-              BulkWarpStream<Fmt, G, V>(p, early_slot, row_block, warp, bulk_ring, bulk_bars);
-          if (lane == 0) early.Drain();
-        }
-      }
-      return;
-    }
+    if (item_index >= *p.num_items) return;  // whole CTA: no barrier is skipped by part of it
     item = p.items[item_index];
   }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int ks = warp % KS, wr = warp / KS;
   const int g = lane >> 2, t = lane & 3;
   const int tile0 = (row_block * RT + wr) * RW;
@@ -440,18 +313,24 @@ __device__ __forceinline__ void GemmBody(const ExpertGemmParams& p, int row_bloc
                           item.expert * p.next_scales_stride_bytes,
                       p.next_scales_bytes, part, parts);
     }
-    const auto bs = BulkWarpStream<Fmt, G, V>(p, item.expert, row_block, warp, bulk_ring, bulk_bars);
-    // The prediction matches the prologue's items by construction; should it not, the early
-    // groups land first and the ring starts again with the item's expert.
-    const bool started = early_slot >= 0 && early_slot == item.expert;
-    if (early_slot >= 0 && !started) {
-      const auto early =
-          BulkWarpStream<Fmt, G, V>(p, early_slot, row_block, warp, bulk_ring, bulk_bars);
-      if (lane == 0) early.Drain();
-      __syncwarp();  // the other lanes wait on the barriers Start initializes again
-    }
-    const int c_begin = BulkWarpBegin<G, V>(p, warp);
-    WarpMainloopBulk<Fmt, G, BulkRing<Fmt, V>>(p, bs, c_begin, b_rows, inputs, started, acc);
+    // Warp-uniform copies of the warp index and the expert slot (broadcast from lane 0), so the
+    // compiler keeps the copy addresses in uniform registers.
+    const int uwarp = __shfl_sync(0xffffffffu, warp, 0);
+    const int uexpert = __shfl_sync(0xffffffffu, item.expert, 0);
+    const int uks = uwarp % KS;
+    const int utile = row_block * RT + uwarp / KS;
+    const int64_t base = static_cast<int64_t>(utile < p.tiles ? utile : 0) * p.chunks;
+    const uint4* values =
+        static_cast<const uint4*>(p.values) + uexpert * p.values_expert_stride + base * kWarpLanes;
+    const auto* scales = static_cast<const typename Fmt::Scale*>(p.scales) +
+                         uexpert * p.scales_expert_stride + base * 8;
+    // Contiguous K ranges per K-split warp (bulk copies of several chunks at once).
+    const int c_begin = static_cast<int>(static_cast<int64_t>(p.chunks) * uks / KS);
+    const int c_end = static_cast<int>(static_cast<int64_t>(p.chunks) * (uks + 1) / KS);
+    using Ring = BulkRing<Fmt, V>;
+    WarpMainloopBulk<Fmt, G, Ring>(p, values, scales, c_begin, c_end - c_begin, b_rows,
+                                   inputs, bulk_ring + uwarp * Ring::kWarpBytes,
+                                   bulk_bars + uwarp * Ring::kSlots, acc);
   } else if constexpr (Cfg::kSmemRing) {
     static_assert(RW == 1, "the ring main loop streams one tile per warp");
     constexpr int kWarpChunks = RingDepth<Fmt, V>();
@@ -621,24 +500,6 @@ double GemmWaves(const GemmLaunch& launch, const ExpertGemmParams& p) {
   return static_cast<double>(row_blocks * launch.num_items) / (static_cast<double>(sms) * resident);
 }
 
-int64_t GemmWaveCtas(const GemmLaunch& launch) {
-  const int index = GroupsIndex(launch.token_groups);
-  if (index < 0 || launch.variant < 0 || launch.variant > kMaxGemmVariant ||
-      !GemmUsesStreamingKernel(launch.token_groups, launch.variant)) {
-    return 0;
-  }
-  const GemmEntry& e = kGemmTable[index][launch.token_groups >= 4 ? 0 : launch.variant];
-  const int resident = e.resident[launch.format == Fp4Format::kNvfp4 ? 1 : 0];
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      sms <= 0) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return static_cast<int64_t>(sms) * std::max(resident, 1);
-}
-
 cudaError_t LaunchExpertGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
                              cudaStream_t stream) {
   if (p.acc_scale && !GemmCanScaleAccumulators(launch)) return cudaErrorInvalidValue;
@@ -652,11 +513,6 @@ cudaError_t LaunchExpertGemm(const ExpertGemmParams& p, const GemmLaunch& launch
     return cudaErrorInvalidValue;
   }
   if (launch.num_items == 0) return cudaSuccess;
-  if (p.early_ctas > 0 &&
-      (!launch.gemm1 || p.direct_ids != nullptr || p.early_ids == nullptr ||
-       !GemmUsesBulkCopies(launch.token_groups, launch.variant))) {
-    return cudaErrorInvalidValue;
-  }
   if (p.item_ready != nullptr && !launch.gemm1 &&
       (p.item_ready_target <= 0 || p.item_ready_waiters != GemmItemReadyCount(launch, p))) {
     return cudaErrorInvalidValue;

@@ -26,37 +26,37 @@ struct BulkRingLayout {
   static constexpr int kWarpBytes = kSlots * kSlotBytes;
 };
 
-// A warp's bulk stream: its chunks are the contiguous range [c_begin, c_begin + n) of one weight
-// tile (values, scales: the tile's chunk 0, lane independent), streamed in groups of kGroup
-// chunks through the ring's kSlots slots. Lane 0 only issues copies (every operand is
-// warp-uniform, so the copies need no per-lane loop).
-template <class Fmt, class Ring>
-struct BulkStream {
+// Main loop of the bulk-copy variants. The warp's chunks are the contiguous range [c_begin,
+// c_begin + n) (values, scales: the tile's chunk 0, lane independent), streamed in groups of
+// kGroup chunks: lane 0 arms slot d's mbarrier with the group's byte count and issues two bulk
+// copies (codes, scale words; contiguous in the packing); every lane waits on the barrier's phase
+// parity, then reads its 16 bytes and its row pair's scale word per chunk. Step j refills the
+// slot of step j - 1 (after a __syncwarp: every lane has used what it read there) with group
+// j - 1 + kSlots, so kSlots - 1 groups stay in flight without registers. B fragments: the
+// ping-pong pair, as the ring of variants 4..7 (kGroup even, so chunk parity is static).
+template <class Fmt, int G, class Ring>
+__device__ __forceinline__ void WarpMainloopBulk(const ExpertGemmParams& p, const uint4* values,
+                                                 const typename Fmt::Scale* scales, int c_begin,
+                                                 int n, const uint4* const (&b_rows)[G],
+                                                 const InputWait& inputs, unsigned char* ring,
+                                                 uint64_t* bars, float (&acc)[1][G][4]) {
   using Scale = typename Fmt::Scale;
-  const uint4* v0;
-  const Scale* s0;
-  int n;
-  int groups;
-  unsigned char* ring;
-  uint32_t ring_at, bars_at;
-  uint64_t policy;
-
-  __device__ __forceinline__ BulkStream(const ExpertGemmParams& p, const uint4* values,
-                                        const Scale* scales, int c_begin, int chunks,
-                                        unsigned char* ring, uint64_t* bars)
-      : v0(values + static_cast<int64_t>(c_begin) * kWarpLanes),
-        s0(scales + static_cast<int64_t>(c_begin) * 8),
-        n(chunks),
-        groups((chunks + Ring::kGroup - 1) / Ring::kGroup),
-        ring(ring),
-        ring_at(static_cast<uint32_t>(__cvta_generic_to_shared(ring))),
-        bars_at(static_cast<uint32_t>(__cvta_generic_to_shared(bars))),
-        policy(L2Policy(p.weights_evict_first)) {}
-
-  // Lane 0: slot `slot`'s mbarrier armed with group j's byte count, and the group's two copies
-  // (codes, scale words; contiguous in the packing).
-  __device__ __forceinline__ void Issue(int j, int slot) const {
-    constexpr int C = Ring::kGroup;
+  constexpr int C = Ring::kGroup, D = Ring::kSlots;
+  static_assert(C % 2 == 0, "the B ping-pong needs an even group");
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int groups = (n + C - 1) / C;
+  const uint4* v0 = values + static_cast<int64_t>(c_begin) * kWarpLanes;
+  const Scale* s0 = scales + static_cast<int64_t>(c_begin) * 8;
+  const uint32_t ring_at = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  const uint32_t bars_at = static_cast<uint32_t>(__cvta_generic_to_shared(bars));
+  const uint64_t policy = L2Policy(p.weights_evict_first);
+  const bool ahead = (p.l2_prefetch & kL2PrefetchAhead) != 0;
+  // This lane's code vector and row pair's scale word in slot 0, chunk 0.
+  const uint4* my_v = reinterpret_cast<const uint4*>(ring) + lane;
+  const Scale* my_s = reinterpret_cast<const Scale*>(ring + C * kChunkBytes) + g;
+  // Lane 0 only (every operand is warp-uniform, so the copies need no per-lane loop).
+  auto issue = [&](int j, int slot) {
     const uint32_t bar = bars_at + 8 * slot;
     const uint32_t dst = ring_at + slot * Ring::kSlotBytes;
     const uint4* src_v = v0 + static_cast<int64_t>(j) * C * kWarpLanes;
@@ -71,61 +71,20 @@ struct BulkStream {
       BulkCopyToShared(dst, src_v, cnt * kChunkBytes, bar, policy);
       BulkCopyToShared(dst + C * kChunkBytes, src_s, cnt * Ring::kScaleBytes, bar, policy);
     }
-  }
-  // Lane 0: the ring's barriers, then its first kSlots groups (and the kL2PrefetchOwn hint).
-  __device__ __forceinline__ void Start(const ExpertGemmParams& p) const {
+  };
+  if (lane == 0) {
 #pragma unroll
-    for (int d = 0; d < Ring::kSlots; ++d) MbarrierInit(bars_at + 8 * d, 1);
+    for (int d = 0; d < D; ++d) MbarrierInit(bars_at + 8 * d, 1);
     FenceMbarrierInit();
     if ((p.l2_prefetch & kL2PrefetchOwn) != 0 && n > 0) {
       BulkPrefetchL2(v0, n * kChunkBytes);
       BulkPrefetchL2(s0, n * Ring::kScaleBytes);
     }
-    Refill();
-  }
-  // Lane 0: the first kSlots groups.
-  __device__ __forceinline__ void Refill() const {
 #pragma unroll
-    for (int d = 0; d < Ring::kSlots; ++d) {
-      if (d < groups) Issue(d, d);
+    for (int d = 0; d < D; ++d) {
+      if (d < groups) issue(d, d);
     }
   }
-  // Lane 0, after Start and nothing else: waits until its groups have landed and invalidates the
-  // barriers, so that the ring can be left or started again.
-  __device__ __forceinline__ void Drain() const {
-#pragma unroll
-    for (int d = 0; d < Ring::kSlots; ++d) {
-      if (d < groups) MbarrierWait(bars_at + 8 * d, 0);
-    }
-#pragma unroll
-    for (int d = 0; d < Ring::kSlots; ++d) MbarrierInval(bars_at + 8 * d);
-  }
-};
-
-// Main loop of the bulk-copy variants: lane 0 arms slot d's mbarrier with the group's byte count
-// and issues two bulk copies; every lane waits on the barrier's phase parity, then reads its 16
-// bytes and its row pair's scale word per chunk. Step j refills the slot of step j - 1 (after a
-// __syncwarp: every lane has used what it read there) with group j - 1 + kSlots, so kSlots - 1
-// groups stay in flight without registers. B fragments: the ping-pong pair, as the ring of
-// variants 4..7 (kGroup even, so chunk parity is static). `started`: lane 0 already ran Start
-// with this stream.
-template <class Fmt, int G, class Ring>
-__device__ __forceinline__ void WarpMainloopBulk(const ExpertGemmParams& p,
-                                                 const BulkStream<Fmt, Ring>& bs, int c_begin,
-                                                 const uint4* const (&b_rows)[G],
-                                                 const InputWait& inputs, bool started,
-                                                 float (&acc)[1][G][4]) {
-  using Scale = typename Fmt::Scale;
-  constexpr int C = Ring::kGroup, D = Ring::kSlots;
-  static_assert(C % 2 == 0, "the B ping-pong needs an even group");
-  const int lane = threadIdx.x & 31;
-  const int g = lane >> 2;
-  const int n = bs.n, groups = bs.groups;
-  const bool ahead = (p.l2_prefetch & kL2PrefetchAhead) != 0;
-  // This lane's code vector and row pair's scale word in slot 0, chunk 0.
-  const uint4* my_v = reinterpret_cast<const uint4*>(bs.ring) + lane;
-  const Scale* my_s = reinterpret_cast<const Scale*>(bs.ring + C * kChunkBytes) + g;
-  if (lane == 0 && !started) bs.Start(p);
   __syncwarp();
   WaitForInputs(inputs);
   uint4 b[2][G][2];
@@ -140,15 +99,15 @@ __device__ __forceinline__ void WarpMainloopBulk(const ExpertGemmParams& p,
         __syncwarp();  // every lane is done with the slot of step j - 1
         const int refill = j - 1 + D;
         if (lane == 0 && refill < groups) {
-          bs.Issue(refill, (d + D - 1) % D);
+          issue(refill, (d + D - 1) % D);
           if (ahead && refill + D < groups) {
             const int64_t at = static_cast<int64_t>(refill + D) * C;
             const int cnt = min(C, n - (refill + D) * C);
-            BulkPrefetchL2(bs.v0 + at * kWarpLanes, cnt * kChunkBytes);
+            BulkPrefetchL2(v0 + at * kWarpLanes, cnt * kChunkBytes);
           }
         }
       }
-      MbarrierWait(bs.bars_at + 8 * d, parity);
+      MbarrierWait(bars_at + 8 * d, parity);
 #pragma unroll
       for (int c = 0; c < C; ++c) {
         const int i = j * C + c;

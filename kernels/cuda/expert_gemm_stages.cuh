@@ -240,9 +240,6 @@ __device__ __forceinline__ void CopyAsyncWait() {
 __device__ __forceinline__ void MbarrierInit(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
-__device__ __forceinline__ void MbarrierInval(uint32_t bar) {
-  asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
-}
 // Makes the initialized barriers visible to the copy engine (async proxy).
 __device__ __forceinline__ void FenceMbarrierInit() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");

@@ -173,23 +173,6 @@ struct ExpertGemmParams {
   // warp asks for the group one ring length beyond its ring at every refill. Hints only: results
   // do not depend on them.
   bool weights_evict_first = false;
-  // Early weights: GEMM1 of grouped routes on the bulk-copy variants (GemmUsesBulkCopies) under
-  // programmatic launch. CTAs with blockIdx.x < early_ctas (the first wave) work out their item's
-  // expert slot from the batch's ids (early_ids [T, K] slot or -1, early_mask [T] or null for the
-  // shared slots E + s) as the prologue will cut the items (early_tile_tokens per item, slots in
-  // order), and issue their first weight groups before their programmatic wait, so the weights
-  // stream while the prologue groups the routes. After the wait the CTA reads its item as usual;
-  // a different slot (none, unless the prologue's order changes; early_skew, a test hook, makes
-  // one) costs a refill, not a wrong result. early_ctas 0: off.
-  int32_t early_ctas = 0;
-  const int32_t* early_ids = nullptr;
-  const uint8_t* early_mask = nullptr;
-  int32_t early_tokens = 0;
-  int32_t early_top_k = 0;
-  int32_t early_experts = 0;
-  int32_t early_shared = 0;
-  int32_t early_tile_tokens = 0;
-  int32_t early_skew = 0;
   int32_t l2_prefetch = 0;
   // MXFP4 on the streaming kernel's variants 6 and 12 with one token group only: the block scale
   // applied to the fp32 accumulators once per 32-K block instead of to the decoded weights
@@ -294,10 +277,6 @@ cudaError_t LaunchExpertGemm(const ExpertGemmParams& p, const GemmLaunch& launch
 // for (the ring variants 4..13); 0 for the other variants and kernels or when the device query
 // fails.
 double GemmWaves(const GemmLaunch& launch, const ExpertGemmParams& p);
-// CTAs of one wave of the weight-streaming kernel for `launch` on the current device: SMs x the
-// CTAs per SM its launch bounds ask for (the SM count where they ask none); 0 for the other
-// kernels or when the device query fails.
-int64_t GemmWaveCtas(const GemmLaunch& launch);
 
 // Whether GEMM launches like `launch` can take ExpertGemmParams::acc_scale.
 inline bool GemmCanScaleAccumulators(const GemmLaunch& launch) {

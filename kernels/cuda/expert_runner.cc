@@ -1,7 +1,6 @@
 #include "kernels/cuda/expert_runner.h"
 
 #include <algorithm>
-#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -396,9 +395,6 @@ ExpertRunner::Decisions ExpertRunner::Decide(const DeviceExpertLayer& layer,
       if (waves < kItemReadyMinWaves || waves > kItemReadyMaxWaves) d.ready_target = 0;
     }
   }
-  d.early = early_weights_mode_ == kEarlyWeightsAlways && programmatic_ &&
-            stage_events_ == nullptr && !d.wgmma && !d.direct && !d.layer &&
-            GemmUsesBulkCopies(plan.token_groups, d.variant);
   return d;
 }
 
@@ -408,7 +404,7 @@ std::string ExpertRunner::ShapeKey(const DeviceExpertLayer& layer, const DeviceB
   return absl::StrCat(reinterpret_cast<uintptr_t>(&layer), ":", plan.tokens, ":", plan.top_k,
                       ":", plan.num_shared, ":", d.plan.token_groups, ":", d.variant, ":",
                       d.wgmma, d.few, d.direct, d.fold, d.hidden_in_place, d.l2_ahead, d.layer,
-                      ":", d.ready_target, ":", d.acc_scale, ":", d.early, ":",
+                      ":", d.ready_target, ":", d.acc_scale, ":",
                       d.grid_items, ":", batch.hidden_bf16, batch.out_bf16,
                       batch.shared_mask != nullptr);
 }
@@ -509,19 +505,6 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
       g1.next_scales_bytes = static_cast<int64_t>(w2.tiles) * w2.chunks * 8 * scale_bytes;
     }
   }
-  if (d.early) {
-    GemmLaunch first = launch;
-    first.gemm1 = true;
-    g1.early_ctas = static_cast<int32_t>(std::min<int64_t>(GemmWaveCtas(first), std::numeric_limits<int32_t>::max()));
-    g1.early_ids = batch.ids;
-    g1.early_mask = pro.shared_mask;
-    g1.early_tokens = pro.tokens;
-    g1.early_top_k = pro.top_k;
-    g1.early_experts = layer.num_experts;
-    g1.early_shared = plan.num_shared;
-    g1.early_tile_tokens = pro.tile_tokens;
-    g1.early_skew = early_skew_;
-  }
   ExpertGemmParams g2 = GemmParams(layer.w2, layer, pro.items, pro.num_items);
   g2.direct_ids = g1.direct_ids;
   g2.direct_mask = g1.direct_mask;
@@ -606,7 +589,6 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
     return s;
   }
   if (d.ready_target > 0) ++item_ready_launches_;
-  if (d.early) ++early_weights_launches_;
   if (absl::Status s = Mark(3, stream); !s.ok()) return s;
   if (fold) return Mark(4, stream);
 

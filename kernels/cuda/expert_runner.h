@@ -209,18 +209,6 @@ class ExpertRunner {
   // A 8 / A 64 within the noise), variant 6 3-6% slower (A 1 30.9 against 30.1, C 1 16.8 against
   // 15.8; it spills 4-8 bytes there).
   void set_acc_scale(bool on) { acc_scale_ = on; }
-  // Grouped-route batches on the bulk-copy variants under programmatic launch: GEMM1's first-wave
-  // CTAs predict their item's expert slot from the ids and issue their first weight copies
-  // before waiting for the prologue (ExpertGemmParams::early_ctas). kEarlyWeightsAuto (the
-  // default) is off until measured faster; kEarlyWeightsAlways: every such batch.
-  static constexpr int kEarlyWeightsAuto = -1;
-  static constexpr int kEarlyWeightsOff = 0;
-  static constexpr int kEarlyWeightsAlways = 1;
-  void set_early_weights(int mode) { early_weights_mode_ = mode; }
-  // Test hook: ExpertGemmParams::early_skew (wrong predictions, to exercise the refill).
-  void set_early_skew_for_testing(int skew) { early_skew_ = skew; }
-  // GEMM1 launches with early weights so far.
-  int64_t early_weights_launches() const { return early_weights_launches_; }
   // GEMM2 launches with per-item readiness so far.
   int64_t item_ready_launches() const { return item_ready_launches_; }
   // Fused layer kernels enqueued so far.
@@ -243,7 +231,6 @@ class ExpertRunner {
     bool layer = false;  // the fused layer kernel (LaunchExpertLayer)
     bool acc_scale = false;  // ExpertGemmParams::acc_scale for both GEMMs
     int64_t ready_target = 0;  // > 0: item_ready with this GEMM2 target (GemmItemReadyCount)
-    bool early = false;        // GEMM1 with early weights (ExpertGemmParams::early_ctas)
     int64_t grid_items = 0;  // GemmLaunch::num_items
   };
   Decisions Decide(const DeviceExpertLayer& layer, const DeviceBatch& batch,
@@ -267,9 +254,6 @@ class ExpertRunner {
   bool y_bf16_ = true;
   bool wgmma_l2_ahead_ = false;
   int item_ready_mode_ = kItemReadyAuto;
-  int early_weights_mode_ = kEarlyWeightsAuto;
-  int early_skew_ = 0;
-  int64_t early_weights_launches_ = 0;
   bool acc_scale_ = false;
   int fused_layer_ = kFusedLayerAuto;
   // Set when a cooperative launch of the fused layer kernel was refused (not all of its CTAs
