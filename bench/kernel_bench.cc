@@ -12,6 +12,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <utility>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -61,6 +62,11 @@ ABSL_FLAG(bool, direct_batches, false,
 ABSL_FLAG(bool, layer_trace, false,
           "at batches that run the fused layer kernel, print when its CTAs pass each of its "
           "phases (global timer, us after the first CTA started: min / median / max)");
+ABSL_FLAG(bool, wgmma_trace, false,
+          "at points that run the wgmma kernel, run each routing set once with the kernel's "
+          "per-CTA trace (ExpertGemmParams::wg_trace) and print, per GEMM, where a CTA's time "
+          "goes (start to inputs ready, to first chunk ready, main loop, epilogue), how busy the "
+          "SMs are and the gap between one CTA's end and the next CTA's start on an SM");
 ABSL_FLAG(std::string, samples_csv, "",
           "if set, every timed replay of each point's default line goes to this CSV (tokens, "
           "replay, wall-clock ms at its end, us per pass), in order: to line the replay times "
@@ -253,6 +259,74 @@ void PrintLayerTrace(const cuda::DeviceExpertLayer& layer, cuda::ExpertRunner& r
       std::printf(" | %s %.1f/%.1f/%.1f", names[i], v.front(), v[v.size() / 2], v.back());
     }
     std::printf("\n");
+  }
+}
+
+// --wgmma_trace: one eager pass per routing set with ExpertGemmParams::wg_trace on both GEMMs.
+void PrintWgmmaTrace(const cuda::DeviceExpertLayer& layer, cuda::ExpertRunner& runner,
+                     const std::vector<std::unique_ptr<DeviceInputs>>& sets, cudaStream_t stream) {
+  constexpr int64_t kMaxCtas = int64_t{1} << 17;  // per GEMM
+  constexpr int W = cuda::kWgTraceWords;
+  int sms = 0;
+  CUDA_CHECK_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cuda::DeviceBuffer trace;
+  BENCH_CHECK_OK(trace.Reserve(static_cast<size_t>(2 * kMaxCtas * W * 8)));
+  for (size_t si = 0; si < sets.size() && si < 2; ++si) {
+    CUDA_CHECK_OK(cudaMemsetAsync(trace.get(), 0, trace.size(), stream));
+    runner.set_wgmma_trace(trace.as<unsigned long long>(), kMaxCtas * W);
+    BENCH_CHECK_OK(runner.Enqueue(layer, sets[si]->Batch(), sets[si]->plan, stream));
+    runner.set_wgmma_trace(nullptr, 0);
+    std::vector<unsigned long long> t(static_cast<size_t>(2 * kMaxCtas * W));
+    CUDA_CHECK_OK(cudaMemcpyAsync(t.data(), trace.get(), t.size() * 8, cudaMemcpyDeviceToHost,
+                                  stream));
+    CUDA_CHECK_OK(cudaStreamSynchronize(stream));
+    for (int gemm = 0; gemm < 2; ++gemm) {
+      const unsigned long long* g = t.data() + gemm * kMaxCtas * W;
+      // Per CTA: 0 SM, 1 start, 2 inputs ready, 3 first chunk ready, 4 loop done, 5 end,
+      // 6 wgmma groups drained, 7 tile staged in shared memory.
+      unsigned long long first = ~0ull, last = 0;
+      double phase[4] = {0, 0, 0, 0}, epi[3] = {0, 0, 0}, busy = 0;
+      int64_t ctas = 0;
+      std::vector<std::vector<std::pair<unsigned long long, unsigned long long>>> per_sm(sms);
+      for (int64_t c = 0; c < kMaxCtas; ++c) {
+        const unsigned long long* r = g + c * W;
+        if (r[1] == 0 || r[5] == 0) continue;
+        ++ctas;
+        first = std::min(first, r[1]);
+        last = std::max(last, r[5]);
+        for (int k = 0; k < 4; ++k) phase[k] += (r[k + 2] - r[k + 1]) * 1e-3;
+        if (r[6] != 0 && r[7] != 0) {
+          epi[0] += (r[6] - r[4]) * 1e-3;
+          epi[1] += (r[7] - r[6]) * 1e-3;
+          epi[2] += (r[5] - r[7]) * 1e-3;
+        }
+        busy += (r[5] - r[1]) * 1e-3;
+        if (r[0] < static_cast<unsigned long long>(sms)) per_sm[r[0]].push_back({r[1], r[5]});
+      }
+      if (ctas == 0) {
+        std::printf("      wgmma trace GEMM%d: no traced CTA (not the wgmma kernel's variant 0)\n",
+                    gemm + 1);
+        continue;
+      }
+      double gaps = 0;
+      int64_t gap_count = 0;
+      for (auto& v : per_sm) {
+        std::sort(v.begin(), v.end());
+        for (size_t i = 1; i < v.size(); ++i) {
+          if (v[i].first > v[i - 1].second) gaps += (v[i].first - v[i - 1].second) * 1e-3;
+          ++gap_count;
+        }
+      }
+      const double span = (last - first) * 1e-3;
+      std::printf(
+          "      wgmma trace GEMM%d (set %zu): %lld CTAs over %.1f us; per CTA (mean us) start->inputs "
+          "%.2f, ->first chunk %.2f, main loop %.2f, epilogue %.2f (drain %.2f, stage %.2f, "
+          "store %.2f); SMs holding a CTA %.1f%% of the span; gap between CTAs on an SM %.2f us "
+          "(mean)\n",
+          gemm + 1, si, static_cast<long long>(ctas), span, phase[0] / ctas, phase[1] / ctas,
+          phase[2] / ctas, phase[3] / ctas, epi[0] / ctas, epi[1] / ctas, epi[2] / ctas,
+          100.0 * busy / (sms * span), gap_count > 0 ? gaps / gap_count : 0.0);
+    }
   }
 }
 
@@ -531,6 +605,7 @@ int Main() {
       time_with_stages("wgmma_forced");
       runner.set_wgmma_min_tokens(cuda::ExpertRunner::kDefaultWgmmaMinTokens);
     }
+    if (wgmma && absl::GetFlag(FLAGS_wgmma_trace)) PrintWgmmaTrace(layer, runner, sets, stream);
     if (absl::GetFlag(FLAGS_layer_trace)) {
       runner.set_fused_layer(cuda::ExpertRunner::kFusedLayerAlways);
       PrintLayerTrace(layer, runner, sets, stream);

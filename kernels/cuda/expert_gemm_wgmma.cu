@@ -334,6 +334,20 @@ __shared__ int32_t wg_ahead_tile;
 __shared__ int32_t wg_tiles;       // row_blocks x the device's item count
 __shared__ int32_t wg_row_blocks;
 
+// ExpertGemmParams::wg_trace: thread 0 records word `k` of this CTA (an SM id or a time).
+__device__ __forceinline__ void WgTrace(const ExpertGemmParams& p, int k) {
+  if (p.wg_trace == nullptr || threadIdx.x != 0) return;
+  unsigned long long v;
+  if (k == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    v = sm;
+  } else {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
+  }
+  p.wg_trace[kWgTraceWords * blockIdx.x + k] = v;
+}
+
 // GEMM2's staged epilogue, second half: the y tile (element T, kPitch per token, 256 rows) goes
 // to the item's y rows as whole 16-byte vectors (8 BF16 or 4 F32 rows per store) when the rows
 // allow, else element by element.
@@ -383,6 +397,7 @@ __device__ __forceinline__ void WgFinishStaged(const ExpertGemmParams& p, const 
       });
     }
     __syncthreads();
+    WgTrace(p, 7);
     // out_cols is a multiple of 64, so rows and the CTA's 128 columns are 16-byte aligned.
     const int vectors = min(16, (p.out_cols - row_block * 128) / 8);
     uint16_t* out =
@@ -426,6 +441,7 @@ __device__ __forceinline__ void WgFinishStaged(const ExpertGemmParams& p, const 
     }
   }
   __syncthreads();
+  WgTrace(p, 7);
   const int rows = min(256, p.out_valid - row_block * 256);
   if (p.y_bf16) {
     StoreYTile<uint16_t, kWgYPitchBf16, kThreads>(p, item, yb, routes, row_block, rows);
@@ -560,6 +576,7 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const Exp
     WaitForPrerequisites();
     AllowDependents();
   }
+  WgTrace(p, 2);
   WgBLoader<N, Cfg::kThreads> loader;
   loader.Init(p, item);
 #pragma unroll
@@ -573,6 +590,11 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const Exp
   uint32_t a[MB][kStepsPerChunk][4];
   const uint64_t desc_base = SmemDescriptor(smem_base);
 
+  if (p.wg_trace != nullptr) {  // the trace only: when the first chunk's stages have landed
+    WgCpAsyncWait<SB - 3>();
+    __syncthreads();
+    WgTrace(p, 3);
+  }
   int bstage = 0, wstage = 0;  // i % SB, i % SW
   for (int i = 0; i < n; ++i) {
     WgCpAsyncWait<SB - 3>();
@@ -611,9 +633,11 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const Exp
     wstage = wstage == SW - 1 ? 0 : wstage + 1;
   }
   static_assert(MB == 1 && WgSmemBytes<Fmt, V>() >= kWgStagedEpilogueBytes + 1024);
+  WgTrace(p, 4);
   WgmmaWait<0>();
   WgCpAsyncWait<0>();
   __syncthreads();  // every warpgroup's wgmma has read its last stage; the ahead item has landed
+  WgTrace(p, 6);
   // L2 ahead: warp 0 asks L2 for the first weight stages of the tile likely to start on an SM
   // when this CTA ends (one resident CTA per SM, CTAs start in index order), so that its first
   // loads, which nothing overlaps, hit L2 instead of DRAM. 16 lanes take a weight tile's codes,
@@ -636,6 +660,7 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const Exp
     }
   }
   WgFinishStaged<kGemm1, Cfg::kThreads, N>(p, item, row_block, slot_base, smem_base, lane, acc[0]);
+  WgTrace(p, 5);
 }
 
 template <class Fmt, bool kGemm1, int V, int N>
@@ -688,6 +713,8 @@ __global__ void __launch_bounds__(WgConfig<V>::kThreads, 1)
   ExpertItem item;
   int row_block;
   if (!BlockItem<kGemm1>(p, row_blocks, item, row_block)) return;  // whole CTA
+  WgTrace(p, 0);
+  WgTrace(p, 1);
   if (threadIdx.x == 0) {  // read by thread 0 only until the first barrier
     wg_tiles = row_blocks * *p.num_items;
     wg_row_blocks = row_blocks;

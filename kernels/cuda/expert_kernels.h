@@ -133,6 +133,12 @@ struct ExpertGemmParams {
   // first loads nothing overlaps. -1: the device's SM count (one resident CTA per SM); 0: off.
   // A hint only: results do not depend on it.
   int32_t l2_ahead_tiles = 0;
+  // Benchmark aid, the wgmma kernel's shared-memory ring variants: thread 0 of each CTA that has
+  // an item writes kWgTraceWords words at wg_trace[kWgTraceWords * blockIdx.x]: its SM id, then
+  // %globaltimer (ns) at its start (item known), its inputs ready (GEMM2: past its programmatic
+  // wait; GEMM1: as the start), its first chunk's B stage ready, its main loop done, its end,
+  // its wgmma groups drained (the epilogue's first barrier), its tile staged in shared memory.
+  unsigned long long* wg_trace = nullptr;
   const int32_t* slot_route = nullptr;  // GEMM2: y row of each slot
   // Direct routes (no grouping; for batches where no expert slot has more than one route): when
   // direct_ids is set, item i is route i of the y rows (t*K+k, then T*K + s*T + t for shared
@@ -229,6 +235,7 @@ inline constexpr int kAutoGemmVariant = -1;
 // GemmLaunch::token_groups of the wgmma kernel (items of up to 144 tokens: at 128 about half the
 // slots of a 4096-token batch of problems A and B had a few-token second item, a whole weight pass).
 inline constexpr int kWgmmaTokenGroups = 18;
+inline constexpr int kWgTraceWords = 8;  // ExpertGemmParams::wg_trace words per CTA
 // The wgmma variants whose epilogue goes through shared memory (all but the measured-only 1 and
 // 2, whose ring leaves no room for the tile): only these write BF16 y (ExpertGemmParams::y_bf16).
 inline bool WgmmaStagesEpilogue(int variant) { return variant != 1 && variant != 2; }

@@ -533,6 +533,10 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   g2.y_out = y_.as<float>();
   g2.y_bf16 = wgmma && y_bf16_ && WgmmaStagesEpilogue(variant);
   g2.l2_ahead_tiles = g1.l2_ahead_tiles;
+  if (wgmma && wgmma_trace_ != nullptr) {
+    g1.wg_trace = wgmma_trace_;
+    g2.wg_trace = wgmma_trace_ + wgmma_trace_gemm2_;
+  }
   g2.slot_route = slot_route_.as<int32_t>();
   if (d.acc_scale) {  // GEMM1's B rows (staged times 2^64) and its act rows for GEMM2 alike
     g1.acc_scale = g2.acc_scale = true;

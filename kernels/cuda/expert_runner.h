@@ -216,6 +216,12 @@ class ExpertRunner {
   // Benchmark aid: ExpertLayerParams::trace of the fused layer kernel (device memory, 8 words per
   // SM), or null. Not for stream capture.
   void set_layer_trace(unsigned long long* trace) { layer_trace_ = trace; }
+  // Benchmark aid: ExpertGemmParams::wg_trace of the wgmma kernel's GEMM1 (at `trace`) and GEMM2
+  // (at trace + gemm2_offset words), or null. Device memory of kWgTraceWords words per CTA.
+  void set_wgmma_trace(unsigned long long* trace, int64_t gemm2_offset) {
+    wgmma_trace_ = trace;
+    wgmma_trace_gemm2_ = gemm2_offset;
+  }
 
  private:
   // The per-batch choices of Enqueue, from the plan and the runner's settings.
@@ -262,6 +268,8 @@ class ExpertRunner {
   int64_t fused_layer_launches_ = 0;
   int64_t item_ready_launches_ = 0;
   unsigned long long* layer_trace_ = nullptr;
+  unsigned long long* wgmma_trace_ = nullptr;
+  int64_t wgmma_trace_gemm2_ = 0;
   cudaEvent_t* stage_events_ = nullptr;
   DeviceBuffer x_staged_;
   DeviceBuffer slot_token_;
