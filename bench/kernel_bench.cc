@@ -12,7 +12,6 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <utility>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -22,6 +21,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -267,6 +267,17 @@ void PrintWgmmaTrace(const cuda::DeviceExpertLayer& layer, cuda::ExpertRunner& r
                      const std::vector<std::unique_ptr<DeviceInputs>>& sets, cudaStream_t stream) {
   constexpr int64_t kMaxCtas = int64_t{1} << 17;  // per GEMM
   constexpr int W = cuda::kWgTraceWords;
+  // The kernel writes one record per CTA of its grid (items x 256-row blocks; the wgmma plan
+  // has no more items than the given one, whose grid the runner may round up by 1/8).
+  const int64_t row_blocks =
+      std::max((2 * layer.inter_padded + 255) / 256, (layer.hidden + 255) / 256);
+  for (const auto& set : sets) {
+    if ((set->plan.num_items + set->plan.num_items / 8 + 1) * row_blocks > kMaxCtas) {
+      std::printf("      wgmma trace: a grid may exceed the trace buffer (%lld CTAs); skipped\n",
+                  static_cast<long long>(kMaxCtas));
+      return;
+    }
+  }
   int sms = 0;
   CUDA_CHECK_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cuda::DeviceBuffer trace;
@@ -319,8 +330,9 @@ void PrintWgmmaTrace(const cuda::DeviceExpertLayer& layer, cuda::ExpertRunner& r
       }
       const double span = (last - first) * 1e-3;
       std::printf(
-          "      wgmma trace GEMM%d (set %zu): %lld CTAs over %.1f us; per CTA (mean us) start->inputs "
-          "%.2f, ->first chunk %.2f, main loop %.2f, epilogue %.2f (drain %.2f, stage %.2f, "
+          "      wgmma trace GEMM%d (set %zu): %lld CTAs over %.1f us; per CTA (mean us) "
+          "start->inputs %.2f, ->first chunk %.2f, main loop %.2f, epilogue %.2f (drain %.2f, "
+          "stage %.2f, "
           "store %.2f); SMs holding a CTA %.1f%% of the span; gap between CTAs on an SM %.2f us "
           "(mean)\n",
           gemm + 1, si, static_cast<long long>(ctas), span, phase[0] / ctas, phase[1] / ctas,
