@@ -467,8 +467,23 @@ __device__ __forceinline__ void MultiplyChunk(const uint4 (&v)[RW],
 // are the hardware's approximations (ex2, rcp and tanh.approx on the MUFU): no branches or
 // subroutine calls. The CPU reference's accurate expf / division / tanhf differ by ~1e-6
 // relative (exp forms) and ~5e-4 (tanh.approx), far inside the 1e-2 bound of the tests; erff
-// stays accurate. Large |x| saturate as before: __expf overflows to inf and x * rcp(inf) is 0.
-__device__ __forceinline__ float FastSigmoid(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
+// stays accurate. Large |x| saturate: ex2 overflows to inf and x * rcp(inf) is 0. ex2 and rcp
+// run in their flush-to-zero forms: __expf and __fdividef wrap each MUFU op in a fix-up for
+// denormal results (~4 instructions per sigmoid), and here such a result only ever meets 1 + e
+// or becomes a sigmoid below 2^-126, so flushing it moves no output by more than ~1e-36.
+__device__ __forceinline__ float Ex2Ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float RcpFtz(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float FastSigmoid(float x) {
+  return RcpFtz(1.f + Ex2Ftz(x * -1.4426950408889634f));
+}
 __device__ __forceinline__ float FastTanh(float x) {
   float y;
   asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -478,7 +493,7 @@ __device__ __forceinline__ float FastTanh(float x) {
 template <ActKind K>
 __device__ __forceinline__ float Activate(const ActivationDesc& d, float g, float u) {
   if constexpr (K == ActKind::kSilu) {
-    return __fdividef(g, 1.f + __expf(-g)) * u;
+    return g * FastSigmoid(g) * u;
   } else if constexpr (K == ActKind::kSwigluOai) {
     g = fminf(g, d.limit);
     u = fminf(fmaxf(u, -d.limit), d.limit);

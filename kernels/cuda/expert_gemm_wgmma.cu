@@ -219,8 +219,11 @@ struct WgWLoader {
 
 // The activated values of a warp's tile (gate row g, up row g + 8: output column tile * 8 + g) for
 // its tokens below item.count, as bf16 bits: emit(col, value). Columns at or past out_valid are
-// zeros (the act row's padding).
-template <int N, class Emit>
+// zeros (the act row's padding). kAllColumns: every column below N instead (the staged epilogue,
+// whose tile has room for them and never reads those past the count): no per-value branch, so
+// the values' dependent chains interleave (with the check, ptxas put a branch around each value
+// and the warp ran them one after another: ncu source sampling, NOTES-cuda.md).
+template <int N, bool kAllColumns, class Emit>
 __device__ __forceinline__ void ForEachActValue(const ExpertGemmParams& p, const ExpertItem& item,
                                                 int tile, int lane, const float (&acc)[N / 2],
                                                 Emit&& emit) {
@@ -238,12 +241,10 @@ __device__ __forceinline__ void ForEachActValue(const ExpertGemmParams& p, const
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int col = q * kTileTokens + 2 * t + e;
-        if (col >= item.count) continue;
-        const float value =
-            real ? Activate<decltype(kind)::value>(p.act, acc[4 * q + e] * scale_gate + bias_gate,
-                                                   acc[4 * q + 2 + e] * scale_up + bias_up)
-                 : 0.f;
-        emit(col, __bfloat16_as_ushort(__float2bfloat16_rn(value)));
+        if (!kAllColumns && col >= item.count) continue;
+        const float act = Activate<decltype(kind)::value>(
+            p.act, acc[4 * q + e] * scale_gate + bias_gate, acc[4 * q + 2 + e] * scale_up + bias_up);
+        emit(col, __bfloat16_as_ushort(__float2bfloat16_rn(real ? act : 0.f)));
       }
     }
   });
@@ -257,7 +258,7 @@ __device__ __forceinline__ void WgEpilogueAct(const ExpertGemmParams& p, const E
   if (tile * 8 >= p.out_cols) return;
   const int g = lane >> 2;
   const int j = tile * 8 + g;
-  ForEachActValue<N>(p, item, tile, lane, acc, [&](int col, uint16_t value) {
+  ForEachActValue<N, false>(p, item, tile, lane, acc, [&](int col, uint16_t value) {
     p.act_out[static_cast<int64_t>(item.slot_begin + col) * p.out_cols + j] = value;
   });
 }
@@ -378,6 +379,36 @@ __device__ __forceinline__ void StoreYTile(const ExpertGemmParams& p, const Expe
   }
 }
 
+// GEMM2's staged epilogue, first half: a warp's tile (rows slot * 16 + g and + 8) as
+// acc * scale + bias into the [token][row] tile (F32 or BF16 elements, kPitch per token), every
+// column below N (see ForEachActValue), the element type fixed outside the unrolled loop.
+template <int N, int kPitch, class T>
+__device__ __forceinline__ void StageYTile(const ExpertGemmParams& p, const ExpertItem& item,
+                                           int row_block, int slot, int lane, float scale,
+                                           const float (&acc)[N / 2], T* tile) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = slot * kTileRows + g + 8 * half;
+    const int h = row_block * 256 + r;
+    const float bias =
+        h < p.out_valid ? p.bias_a[static_cast<int64_t>(item.expert) * p.out_valid + h] : 0.f;
+#pragma unroll
+    for (int q = 0; q < N / 8; ++q) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = q * kTileTokens + 2 * t + e;
+        const float value = acc[4 * q + 2 * half + e] * scale + bias;
+        if constexpr (sizeof(T) == 2) {
+          tile[col * kPitch + r] = __bfloat16_as_ushort(__float2bfloat16_rn(value));
+        } else {
+          tile[col * kPitch + r] = value;
+        }
+      }
+    }
+  }
+}
+
 // The staged epilogue. The caller has waited for every wgmma group and cp.async of the tile and
 // passed a CTA barrier (the ring is free). Each warp writes its tile into a [token][row] tile in
 // shared memory (pitches chosen so the writes spread over the banks); whole token rows then leave
@@ -388,11 +419,11 @@ __device__ __forceinline__ void WgFinishStaged(const ExpertGemmParams& p, const 
                                                int lane, const float (&acc)[N / 2]) {
   uint8_t* smem = wg_smem + (smem_base - static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem)));
   const int tile = row_block * 16 + slot;
-  const int g = lane >> 2, t = lane & 3;
+  const int g = lane >> 2;
   if constexpr (kGemm1) {
     uint16_t* act = reinterpret_cast<uint16_t*>(smem);
     if (tile * 8 < p.out_cols) {
-      ForEachActValue<N>(p, item, tile, lane, acc, [&](int col, uint16_t value) {
+      ForEachActValue<N, true>(p, item, tile, lane, acc, [&](int col, uint16_t value) {
         act[col * kWgActPitch + slot * 8 + g] = value;
       });
     }
@@ -419,26 +450,10 @@ __device__ __forceinline__ void WgFinishStaged(const ExpertGemmParams& p, const 
   const float scale = p.ep_scale[item.expert * 3 + 2];
   float* y = reinterpret_cast<float*>(smem);
   uint16_t* yb = reinterpret_cast<uint16_t*>(smem);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = slot * kTileRows + g + 8 * half;
-    const int h = row_block * 256 + r;
-    const float bias =
-        h < p.out_valid ? p.bias_a[static_cast<int64_t>(item.expert) * p.out_valid + h] : 0.f;
-#pragma unroll
-    for (int q = 0; q < N / 8; ++q) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = q * kTileTokens + 2 * t + e;
-        if (col >= item.count) continue;
-        const float value = acc[4 * q + 2 * half + e] * scale + bias;
-        if (p.y_bf16) {
-          yb[col * kWgYPitchBf16 + r] = __bfloat16_as_ushort(__float2bfloat16_rn(value));
-        } else {
-          y[col * kWgYPitch + r] = value;
-        }
-      }
-    }
+  if (p.y_bf16) {
+    StageYTile<N, kWgYPitchBf16>(p, item, row_block, slot, lane, scale, acc, yb);
+  } else {
+    StageYTile<N, kWgYPitch>(p, item, row_block, slot, lane, scale, acc, y);
   }
   __syncthreads();
   WgTrace(p, 7);
