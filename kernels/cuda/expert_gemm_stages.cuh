@@ -481,9 +481,10 @@ __device__ __forceinline__ float RcpFtz(float x) {
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
-__device__ __forceinline__ float FastSigmoid(float x) {
-  return RcpFtz(1.f + Ex2Ftz(x * -1.4426950408889634f));
-}
+constexpr float kNegLog2e = -1.4426950408889634f;
+// sigmoid(x) from y = x * kNegLog2e (so a constant factor of x folds into one multiply).
+__device__ __forceinline__ float SigmoidOfScaled(float y) { return RcpFtz(1.f + Ex2Ftz(y)); }
+__device__ __forceinline__ float FastSigmoid(float x) { return SigmoidOfScaled(x * kNegLog2e); }
 __device__ __forceinline__ float FastTanh(float x) {
   float y;
   asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -497,7 +498,7 @@ __device__ __forceinline__ float Activate(const ActivationDesc& d, float g, floa
   } else if constexpr (K == ActKind::kSwigluOai) {
     g = fminf(g, d.limit);
     u = fminf(fmaxf(u, -d.limit), d.limit);
-    return (u + 1.f) * (g * FastSigmoid(d.alpha * g));
+    return (u + 1.f) * (g * SigmoidOfScaled(g * (d.alpha * kNegLog2e)));
   } else if constexpr (K == ActKind::kSitu) {
     const float gate = d.beta * FastTanh(__fdividef(g, d.beta)) * FastSigmoid(g);
     const float up =

@@ -136,20 +136,28 @@ struct WgBLoader {
   const uint4* src[kPerThread];
   uint32_t dst[kPerThread];
 
+  // The gather indices are loaded first, all in flight together (a load per vector behind its
+  // own branch left each one's latency exposed: ncu source sampling, NOTES-cuda.md); vectors
+  // past the item's tokens look up its first slot and copy nothing.
   __device__ __forceinline__ void Init(const ExpertGemmParams& p, const ExpertItem& item) {
     const int64_t row_vectors = static_cast<int64_t>(p.chunks) * kActChunkVectors;
     const uint4* base = reinterpret_cast<const uint4*>(p.b_rows);
+    int row[kPerThread];
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      const int token = (static_cast<int>(threadIdx.x) + k * kThreads) / kActChunkVectors;
+      row[k] = item.slot_begin + (token < item.count ? token : 0);
+    }
+    if (p.b_row_of_slot != nullptr) {
+#pragma unroll
+      for (int k = 0; k < kPerThread; ++k) row[k] = p.b_row_of_slot[row[k]];
+    }
 #pragma unroll
     for (int k = 0; k < kPerThread; ++k) {
       const int index = static_cast<int>(threadIdx.x) + k * kThreads;
       const int token = index / kActChunkVectors, v = index % kActChunkVectors;
       dst[k] = static_cast<uint32_t>(token * kWgRowBytes + ((v ^ (token & 7)) << 4));
-      src[k] = nullptr;
-      if (index < kVectors && token < item.count) {
-        const int slot = item.slot_begin + token;
-        const int row = p.b_row_of_slot != nullptr ? p.b_row_of_slot[slot] : slot;
-        src[k] = base + row * row_vectors + v;
-      }
+      src[k] = index < kVectors && token < item.count ? base + row[k] * row_vectors + v : nullptr;
     }
   }
 
@@ -217,6 +225,41 @@ struct WgWLoader {
   }
 };
 
+// A thread's epilogue inputs: the expert's scales and the biases of its rows (GEMM1: gate and up
+// bias of output column tile * 8 + g; GEMM2: rows tile * 16 + g and + 8), and for GEMM2's staged
+// epilogue the y row of token threadIdx.x. Variant 0 loads them before it drains the wgmma
+// groups, so their latency overlaps the drain instead of the first activation waiting on it.
+struct WgEpInputs {
+  float scale0, scale1, bias0, bias1;
+  int32_t route;
+};
+
+template <bool kGemm1>
+__device__ __forceinline__ WgEpInputs LoadEpInputs(const ExpertGemmParams& p,
+                                                   const ExpertItem& item, int tile, int lane) {
+  const int g = lane >> 2;
+  const int64_t bias_base = static_cast<int64_t>(item.expert) * p.out_valid;
+  WgEpInputs in{};
+  if constexpr (kGemm1) {
+    in.scale0 = p.ep_scale[item.expert * 3 + 0];
+    in.scale1 = p.ep_scale[item.expert * 3 + 1];
+    const int j = tile * 8 + g;
+    if (j < p.out_valid) {
+      in.bias0 = p.bias_a[bias_base + j];
+      in.bias1 = p.bias_b[bias_base + j];
+    }
+  } else {
+    in.scale0 = p.ep_scale[item.expert * 3 + 2];
+    const int h = tile * kTileRows + g;
+    if (h < p.out_valid) in.bias0 = p.bias_a[bias_base + h];
+    if (h + 8 < p.out_valid) in.bias1 = p.bias_a[bias_base + h + 8];
+    if (static_cast<int>(threadIdx.x) < item.count) {
+      in.route = p.slot_route[item.slot_begin + static_cast<int>(threadIdx.x)];
+    }
+  }
+  return in;
+}
+
 // The activated values of a warp's tile (gate row g, up row g + 8: output column tile * 8 + g) for
 // its tokens below item.count, as bf16 bits: emit(col, value). Columns at or past out_valid are
 // zeros (the act row's padding). kAllColumns: every column below N instead (the staged epilogue,
@@ -225,16 +268,12 @@ struct WgWLoader {
 // and the warp ran them one after another: ncu source sampling, NOTES-cuda.md).
 template <int N, bool kAllColumns, class Emit>
 __device__ __forceinline__ void ForEachActValue(const ExpertGemmParams& p, const ExpertItem& item,
-                                                int tile, int lane, const float (&acc)[N / 2],
-                                                Emit&& emit) {
+                                                int tile, int lane, const WgEpInputs& in,
+                                                const float (&acc)[N / 2], Emit&& emit) {
   const int g = lane >> 2, t = lane & 3;
-  const float scale_gate = p.ep_scale[item.expert * 3 + 0];
-  const float scale_up = p.ep_scale[item.expert * 3 + 1];
-  const int j = tile * 8 + g;
-  const bool real = j < p.out_valid;
-  const int64_t bias_at = static_cast<int64_t>(item.expert) * p.out_valid + j;
-  const float bias_gate = real ? p.bias_a[bias_at] : 0.f;
-  const float bias_up = real ? p.bias_b[bias_at] : 0.f;
+  const float scale_gate = in.scale0, scale_up = in.scale1;
+  const float bias_gate = in.bias0, bias_up = in.bias1;
+  const bool real = tile * 8 + g < p.out_valid;
   WithActKind(p.act.kind, [&](auto kind) {
 #pragma unroll
     for (int q = 0; q < N / 8; ++q) {
@@ -258,7 +297,8 @@ __device__ __forceinline__ void WgEpilogueAct(const ExpertGemmParams& p, const E
   if (tile * 8 >= p.out_cols) return;
   const int g = lane >> 2;
   const int j = tile * 8 + g;
-  ForEachActValue<N, false>(p, item, tile, lane, acc, [&](int col, uint16_t value) {
+  const WgEpInputs in = LoadEpInputs<true>(p, item, tile, lane);
+  ForEachActValue<N, false>(p, item, tile, lane, in, acc, [&](int col, uint16_t value) {
     p.act_out[static_cast<int64_t>(item.slot_begin + col) * p.out_cols + j] = value;
   });
 }
@@ -383,22 +423,19 @@ __device__ __forceinline__ void StoreYTile(const ExpertGemmParams& p, const Expe
 // acc * scale + bias into the [token][row] tile (F32 or BF16 elements, kPitch per token), every
 // column below N (see ForEachActValue), the element type fixed outside the unrolled loop.
 template <int N, int kPitch, class T>
-__device__ __forceinline__ void StageYTile(const ExpertGemmParams& p, const ExpertItem& item,
-                                           int row_block, int slot, int lane, float scale,
+__device__ __forceinline__ void StageYTile(int slot, int lane, const WgEpInputs& in,
                                            const float (&acc)[N / 2], T* tile) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = slot * kTileRows + g + 8 * half;
-    const int h = row_block * 256 + r;
-    const float bias =
-        h < p.out_valid ? p.bias_a[static_cast<int64_t>(item.expert) * p.out_valid + h] : 0.f;
+    const float bias = half == 0 ? in.bias0 : in.bias1;
 #pragma unroll
     for (int q = 0; q < N / 8; ++q) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int col = q * kTileTokens + 2 * t + e;
-        const float value = acc[4 * q + 2 * half + e] * scale + bias;
+        const float value = acc[4 * q + 2 * half + e] * in.scale0 + bias;
         if constexpr (sizeof(T) == 2) {
           tile[col * kPitch + r] = __bfloat16_as_ushort(__float2bfloat16_rn(value));
         } else {
@@ -409,21 +446,22 @@ __device__ __forceinline__ void StageYTile(const ExpertGemmParams& p, const Expe
   }
 }
 
-// The staged epilogue. The caller has waited for every wgmma group and cp.async of the tile and
-// passed a CTA barrier (the ring is free). Each warp writes its tile into a [token][row] tile in
+// The staged epilogue. The caller has loaded the thread's inputs (LoadEpInputs), waited for every
+// wgmma group and cp.async of the tile and passed a CTA barrier (the ring is free). Each warp writes its tile into a [token][row] tile in
 // shared memory (pitches chosen so the writes spread over the banks); whole token rows then leave
 // in coalesced 16-byte stores.
 template <bool kGemm1, int kThreads, int N>
 __device__ __forceinline__ void WgFinishStaged(const ExpertGemmParams& p, const ExpertItem& item,
                                                int row_block, int slot, uint32_t smem_base,
-                                               int lane, const float (&acc)[N / 2]) {
+                                               int lane, const WgEpInputs& in,
+                                               const float (&acc)[N / 2]) {
   uint8_t* smem = wg_smem + (smem_base - static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem)));
   const int tile = row_block * 16 + slot;
   const int g = lane >> 2;
   if constexpr (kGemm1) {
     uint16_t* act = reinterpret_cast<uint16_t*>(smem);
     if (tile * 8 < p.out_cols) {
-      ForEachActValue<N, true>(p, item, tile, lane, acc, [&](int col, uint16_t value) {
+      ForEachActValue<N, true>(p, item, tile, lane, in, acc, [&](int col, uint16_t value) {
         act[col * kWgActPitch + slot * 8 + g] = value;
       });
     }
@@ -444,16 +482,14 @@ __device__ __forceinline__ void WgFinishStaged(const ExpertGemmParams& p, const 
   const uint32_t tile_bytes = p.y_bf16 ? kWgMaxTokens * kWgYPitchBf16 * sizeof(uint16_t)
                                        : kWgMaxTokens * kWgYPitch * sizeof(float);
   int32_t* routes = reinterpret_cast<int32_t*>(smem + tile_bytes);
-  for (int col = threadIdx.x; col < item.count; col += kThreads) {
-    routes[col] = p.slot_route[item.slot_begin + col];
-  }
-  const float scale = p.ep_scale[item.expert * 3 + 2];
+  static_assert(kThreads >= kWgMaxTokens);  // one token's route per thread (LoadEpInputs)
+  if (static_cast<int>(threadIdx.x) < item.count) routes[threadIdx.x] = in.route;
   float* y = reinterpret_cast<float*>(smem);
   uint16_t* yb = reinterpret_cast<uint16_t*>(smem);
   if (p.y_bf16) {
-    StageYTile<N, kWgYPitchBf16>(p, item, row_block, slot, lane, scale, acc, yb);
+    StageYTile<N, kWgYPitchBf16>(slot, lane, in, acc, yb);
   } else {
-    StageYTile<N, kWgYPitch>(p, item, row_block, slot, lane, scale, acc, y);
+    StageYTile<N, kWgYPitch>(slot, lane, in, acc, y);
   }
   __syncthreads();
   WgTrace(p, 7);
@@ -491,7 +527,6 @@ __device__ __forceinline__ void WgBody(const ExpertGemmParams& p, const ExpertIt
   using Scale = typename Fmt::Scale;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wg = warp >> 2, wq = warp & 3;
-  const int g = lane >> 2;
   const int tile_base = row_block * Cfg::kCtaTiles + wg * (MB * 4) + wq;  // + 4 b: block b's tile
 
   WeightStream<Fmt, MB> stream;
@@ -649,6 +684,7 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const Exp
   }
   static_assert(MB == 1 && WgSmemBytes<Fmt, V>() >= kWgStagedEpilogueBytes + 1024);
   WgTrace(p, 4);
+  const WgEpInputs ep_in = LoadEpInputs<kGemm1>(p, item, tile_base, lane);
   WgmmaWait<0>();
   WgCpAsyncWait<0>();
   __syncthreads();  // every warpgroup's wgmma has read its last stage; the ahead item has landed
@@ -674,7 +710,8 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const Exp
       }
     }
   }
-  WgFinishStaged<kGemm1, Cfg::kThreads, N>(p, item, row_block, slot_base, smem_base, lane, acc[0]);
+  WgFinishStaged<kGemm1, Cfg::kThreads, N>(p, item, row_block, slot_base, smem_base, lane, ep_in,
+                                            acc[0]);
   WgTrace(p, 5);
 }
 
