@@ -281,8 +281,9 @@ __device__ __forceinline__ void ForEachActValue(const ExpertGemmParams& p, const
       for (int e = 0; e < 2; ++e) {
         const int col = q * kTileTokens + 2 * t + e;
         if (!kAllColumns && col >= item.count) continue;
-        const float act = Activate<decltype(kind)::value>(
-            p.act, acc[4 * q + e] * scale_gate + bias_gate, acc[4 * q + 2 + e] * scale_up + bias_up);
+        const float act =
+            Activate<decltype(kind)::value>(p.act, acc[4 * q + e] * scale_gate + bias_gate,
+                                            acc[4 * q + 2 + e] * scale_up + bias_up);
         emit(col, __bfloat16_as_ushort(__float2bfloat16_rn(real ? act : 0.f)));
       }
     }
@@ -447,9 +448,9 @@ __device__ __forceinline__ void StageYTile(int slot, int lane, const WgEpInputs&
 }
 
 // The staged epilogue. The caller has loaded the thread's inputs (LoadEpInputs), waited for every
-// wgmma group and cp.async of the tile and passed a CTA barrier (the ring is free). Each warp writes its tile into a [token][row] tile in
-// shared memory (pitches chosen so the writes spread over the banks); whole token rows then leave
-// in coalesced 16-byte stores.
+// wgmma group and cp.async of the tile and passed a CTA barrier (the ring is free). Each warp
+// writes its tile into a [token][row] tile in shared memory (pitches chosen so the writes spread
+// over the banks); whole token rows then leave in coalesced 16-byte stores.
 template <bool kGemm1, int kThreads, int N>
 __device__ __forceinline__ void WgFinishStaged(const ExpertGemmParams& p, const ExpertItem& item,
                                                int row_block, int slot, uint32_t smem_base,
