@@ -343,6 +343,36 @@ __device__ __forceinline__ void DequantStep(const uint4& v, const typename Fmt::
   a[3] = MulBf16x2(raw[3], scale_g8);
 }
 
+// DequantStep with the left shifts of the E2M1 decode and of the MXFP4 scale pair as multiplies
+// by m = ExpertGemmParams::shift_mul (2, 4, 8, 64, 128): the same bits, but ptxas cannot turn
+// them back into shifts, so they issue to the FMA pipe as IMAD. For a kernel whose other code is
+// FMA-heavy (the wgmma GEMM1's activation epilogue), ptxas put every decode shift on the ALU
+// (SHF), next to the masks, while the same main loop in GEMM2 got IMAD.SHL (NOTES-cuda.md).
+template <class Fmt>
+__device__ __forceinline__ void DequantStepMul(const uint4& v, const typename Fmt::Scale& s,
+                                               int step, const uint32_t (&m)[5],
+                                               uint32_t (&a)[4]) {
+  const uint32_t w = Word(v, step);
+  uint32_t raw[4];
+  raw[0] = w & (kMagMask | kSignMask);
+  raw[1] = (w * m[2]) & (kMagMask | kSignMask);
+  raw[2] = ((w * m[3]) & kMagMask) | ((w * m[1]) & kSignMask);
+  raw[3] = ((w >> 3) & kMagMask) | ((w * m[0]) & kSignMask);
+  uint32_t scale_g, scale_g8;
+  if constexpr (std::is_same_v<Fmt, Mxfp4>) {
+    const uint32_t b0 = MxScaleByte(step, 0), b1 = MxScaleByte(step, 1);
+    scale_g = __byte_perm(s, 0u, 0x4040u | (b0 << 8) | b0) * m[4];
+    scale_g8 = __byte_perm(s, 0u, 0x4040u | (b1 << 8) | b1) * m[4];
+  } else {
+    scale_g = Fmt::Pair(s, step, 0);
+    scale_g8 = Fmt::Pair(s, step, 1);
+  }
+  a[0] = MulBf16x2(raw[0], scale_g);
+  a[1] = MulBf16x2(raw[1], scale_g8);
+  a[2] = MulBf16x2(raw[2], scale_g);
+  a[3] = MulBf16x2(raw[3], scale_g8);
+}
+
 // ---- Stage 3: multiply one chunk: B fragments of the G token groups, 4 k-steps, RW tiles.
 // B fragments of one chunk for one token group; rows of absent tokens stay zero (b_row null).
 __device__ __forceinline__ void LoadBIf(bool pred, const uint4* b_row, int chunk, uint4 (&b)[2]) {

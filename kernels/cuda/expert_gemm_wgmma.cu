@@ -509,10 +509,10 @@ __device__ __forceinline__ void WgFinishStaged(const ExpertGemmParams& p, const 
 // groups may still be pending.
 template <class Fmt, int N, int kGroups>
 __device__ __forceinline__ void WgStep(const uint4& v, const typename Fmt::Scale& sc, int step,
-                                       uint32_t (&a)[4], float (&acc)[N / 2],
-                                       uint64_t stage_desc) {
+                                       const uint32_t (&shift_mul)[5], uint32_t (&a)[4],
+                                       float (&acc)[N / 2], uint64_t stage_desc) {
   WgmmaWait<kGroups - 1>();
-  DequantStep<Fmt>(v, sc, step, a);
+  DequantStepMul<Fmt>(v, sc, step, shift_mul, a);
   WgmmaFence();
   WgmmaRs<N>::Run(acc, a, stage_desc + step * (32 >> 4));
   WgmmaCommit();
@@ -574,8 +574,8 @@ __device__ __forceinline__ void WgBody(const ExpertGemmParams& p, const ExpertIt
       for (int b = 0; b < MB; ++b) {
 #pragma unroll
         for (int step = 0; step < kStepsPerChunk; ++step) {
-          WgStep<Fmt, N, kGroupsPerChunk>(v[pp][b], s[pp][b], step, a[b][step], acc[b],
-                                          stage_desc);
+          WgStep<Fmt, N, kGroupsPerChunk>(v[pp][b], s[pp][b], step, p.shift_mul, a[b][step],
+                                          acc[b], stage_desc);
         }
       }
       stream.LoadIf(i + P < n, i + P, v[pp], s[pp]);
@@ -677,7 +677,8 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const Exp
       }
 #pragma unroll
       for (int step = 0; step < kStepsPerChunk; ++step) {
-        WgStep<Fmt, N, kGroupsPerChunk>(v, sc, step, a[b][step], acc[b], stage_desc);
+        WgStep<Fmt, N, kGroupsPerChunk>(v, sc, step, p.shift_mul, a[b][step], acc[b],
+                                        stage_desc);
       }
     }
     bstage = bstage == SB - 1 ? 0 : bstage + 1;
