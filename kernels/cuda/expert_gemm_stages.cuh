@@ -130,6 +130,11 @@ struct Mxfp4 {
   static __device__ __forceinline__ uint32_t Pair(const Scale& s, int step, int row8) {
     return MxScalePair(s, MxScaleByte(step, row8));
   }
+  // Pair with its shift as a multiply by x128 = 128 (DequantStepMul).
+  static __device__ __forceinline__ uint32_t PairMul(const Scale& s, int step, int row8,
+                                                     uint32_t x128) {
+    return MxScalePairMul(s, MxScaleByte(step, row8), x128);
+  }
 };
 // MXFP4 with the block scale applied to the fp32 accumulators (ExpertGemmParams::acc_scale): each
 // 32-K block's raw decoded fragments (E2M1 x 2^-126, code 0.5 a bf16 subnormal, which mma.sync
@@ -149,6 +154,10 @@ struct Nvfp4 {
   static __device__ __forceinline__ uint32_t Pair(const Scale& s, int step, int row8) {
     const uint32_t w = step == 0 ? s.x : step == 1 ? s.y : step == 2 ? s.z : s.w;
     return NvScalePair(w, row8);
+  }
+  static __device__ __forceinline__ uint32_t PairMul(const Scale& s, int step, int row8,
+                                                     uint32_t /*x128: no shift here*/) {
+    return Pair(s, step, row8);
   }
 };
 
@@ -329,48 +338,29 @@ struct WeightStream {
   }
 };
 
-// ---- Stage 2: one k-step of one tile -> the four bf16x2 A registers.
+// ---- Stage 2: one k-step of one tile -> the four bf16x2 A registers. DequantStepMul takes the
+// decode's shift factors m = {2, 4, 8, 64, 128} as values (UnpackFragmentWordMul): the wgmma
+// kernels pass ExpertGemmParams::shift_mul, so that ptxas keeps those operations on the FMA pipe
+// (for the GEMM1 kernel, whose activation epilogue is FMA-heavy, it had put every decode shift on
+// the ALU beside the masks; NOTES-cuda.md); DequantStep passes the constants (shifts).
 template <class Fmt>
-__device__ __forceinline__ void DequantStep(const uint4& v, const typename Fmt::Scale& s, int step,
-                                            uint32_t (&a)[4]) {
+__device__ __forceinline__ void DequantStepMul(const uint4& v, const typename Fmt::Scale& s,
+                                               int step, const uint32_t (&m)[5],
+                                               uint32_t (&a)[4]) {
   uint32_t raw[4];
-  UnpackFragmentWord(Word(v, step), raw);
-  const uint32_t scale_g = Fmt::Pair(s, step, 0);
-  const uint32_t scale_g8 = Fmt::Pair(s, step, 1);
+  UnpackFragmentWordMul(Word(v, step), m, raw);
+  const uint32_t scale_g = Fmt::PairMul(s, step, 0, m[4]);
+  const uint32_t scale_g8 = Fmt::PairMul(s, step, 1, m[4]);
   a[0] = MulBf16x2(raw[0], scale_g);
   a[1] = MulBf16x2(raw[1], scale_g8);
   a[2] = MulBf16x2(raw[2], scale_g);
   a[3] = MulBf16x2(raw[3], scale_g8);
 }
-
-// DequantStep with the left shifts of the E2M1 decode and of the MXFP4 scale pair as multiplies
-// by m = ExpertGemmParams::shift_mul (2, 4, 8, 64, 128): the same bits, but ptxas cannot turn
-// them back into shifts, so they issue to the FMA pipe as IMAD. For a kernel whose other code is
-// FMA-heavy (the wgmma GEMM1's activation epilogue), ptxas put every decode shift on the ALU
-// (SHF), next to the masks, while the same main loop in GEMM2 got IMAD.SHL (NOTES-cuda.md).
 template <class Fmt>
-__device__ __forceinline__ void DequantStepMul(const uint4& v, const typename Fmt::Scale& s,
-                                               int step, const uint32_t (&m)[5],
-                                               uint32_t (&a)[4]) {
-  const uint32_t w = Word(v, step);
-  uint32_t raw[4];
-  raw[0] = w & (kMagMask | kSignMask);
-  raw[1] = (w * m[2]) & (kMagMask | kSignMask);
-  raw[2] = ((w * m[3]) & kMagMask) | ((w * m[1]) & kSignMask);
-  raw[3] = ((w >> 3) & kMagMask) | ((w * m[0]) & kSignMask);
-  uint32_t scale_g, scale_g8;
-  if constexpr (std::is_same_v<Fmt, Mxfp4>) {
-    const uint32_t b0 = MxScaleByte(step, 0), b1 = MxScaleByte(step, 1);
-    scale_g = __byte_perm(s, 0u, 0x4040u | (b0 << 8) | b0) * m[4];
-    scale_g8 = __byte_perm(s, 0u, 0x4040u | (b1 << 8) | b1) * m[4];
-  } else {
-    scale_g = Fmt::Pair(s, step, 0);
-    scale_g8 = Fmt::Pair(s, step, 1);
-  }
-  a[0] = MulBf16x2(raw[0], scale_g);
-  a[1] = MulBf16x2(raw[1], scale_g8);
-  a[2] = MulBf16x2(raw[2], scale_g);
-  a[3] = MulBf16x2(raw[3], scale_g8);
+__device__ __forceinline__ void DequantStep(const uint4& v, const typename Fmt::Scale& s, int step,
+                                            uint32_t (&a)[4]) {
+  constexpr uint32_t kShifts[5] = {2u, 4u, 8u, 64u, 128u};
+  DequantStepMul<Fmt>(v, s, step, kShifts, a);
 }
 
 // ---- Stage 3: multiply one chunk: B fragments of the G token groups, 4 k-steps, RW tiles.

@@ -188,8 +188,8 @@ struct ExpertGemmParams {
   bool acc_scale = false;
   float acc_unscale = 1.f;   // epilogue factor on the accumulators
   // 2, 4, 8, 64 and 128 as values the compiler cannot see: the wgmma kernel's E2M1 decode
-  // multiplies by them instead of shifting (DequantStepMul), which puts those operations on the
-  // FMA pipe (IMAD) beside the ALU's masks. Left at these values.
+  // multiplies by them instead of shifting (DequantStepMul, UnpackFragmentWordMul), which puts
+  // those operations on the FMA pipe (IMAD) beside the ALU's masks. Leave at these values.
   uint32_t shift_mul[5] = {2u, 4u, 8u, 64u, 128u};
   float act_prescale = 1.f;  // GEMM1: factor on the act values before their BF16 rounding
   // Per-item readiness instead of the grid-wide wait (the mma.sync kernels): GEMM1's warps that

@@ -85,11 +85,19 @@ inline uint32_t PackFragmentWord(const uint8_t codes[8]) {
 // Packed word -> 4 bf16x2 registers holding E2M1 * 2^-126 (see the header comment). Equal to
 // the rotate-and-mask form for MagRotation / SignRotation (no kept bit wraps: repack_test checks
 // both forms): rotr by 29, 26, 30, 31 = shift left by 3, 6, 2, 1; rotr by 3 = shift right by 3.
-MOE_HD void UnpackFragmentWord(uint32_t w, uint32_t regs[4]) {
+// The left shifts are written as multiplies by m = {2, 4, 8, 64} (m[4] = 128 is MxScalePairMul's):
+// with those constants the compiler emits shifts (UnpackFragmentWord), and a kernel can instead
+// pass them as values it cannot see (ExpertGemmParams::shift_mul), which keeps them multiplies on
+// the FMA pipe (IMAD) when ptxas would put every shift on the busy integer ALU (NOTES-cuda.md).
+MOE_HD void UnpackFragmentWordMul(uint32_t w, const uint32_t (&m)[5], uint32_t regs[4]) {
   regs[0] = w & (kMagMask | kSignMask);
-  regs[1] = (w << 3) & (kMagMask | kSignMask);
-  regs[2] = ((w << 6) & kMagMask) | ((w << 2) & kSignMask);
-  regs[3] = ((w >> 3) & kMagMask) | ((w << 1) & kSignMask);
+  regs[1] = (w * m[2]) & (kMagMask | kSignMask);
+  regs[2] = ((w * m[3]) & kMagMask) | ((w * m[1]) & kSignMask);
+  regs[3] = ((w >> 3) & kMagMask) | ((w * m[0]) & kSignMask);
+}
+MOE_HD void UnpackFragmentWord(uint32_t w, uint32_t regs[4]) {
+  constexpr uint32_t kShifts[5] = {2u, 4u, 8u, 64u, 128u};
+  UnpackFragmentWordMul(w, kShifts, regs);
 }
 
 // Row of the 16-row tile and K offset inside the k-step of register j, half h, for lane (g, t).
@@ -99,13 +107,17 @@ MOE_HD int FragmentK(int j, int h, int t) { return 2 * t + 8 * (j >> 1) + h; }
 // MXFP4 scales: one 32-bit word per (tile, chunk, g) holding the biased exponent bytes
 // [row g blk 0, row g blk 1, row g+8 blk 0, row g+8 blk 1] (blk = 32-element block of the chunk).
 // The byte is an exponent field: bf16 2^(byte - 127) in both halves, 0 for byte 0.
-MOE_HD uint32_t MxScalePair(uint32_t scale_word, int byte_index) {
+// x128 = 128 (the shift into the exponent field; see UnpackFragmentWordMul).
+MOE_HD uint32_t MxScalePairMul(uint32_t scale_word, int byte_index, uint32_t x128) {
 #if defined(__CUDA_ARCH__)
   // PRMT [byte, 0, byte, 0] then the shift into the exponent field: two instructions.
-  return __byte_perm(scale_word, 0u, 0x4040u | (byte_index << 8) | byte_index) << 7;
+  return __byte_perm(scale_word, 0u, 0x4040u | (byte_index << 8) | byte_index) * x128;
 #else
-  return ((scale_word >> (8 * byte_index)) & 0xFFu) * 0x00800080u;
+  return ((scale_word >> (8 * byte_index)) & 0xFFu) * (0x00010001u * x128);
 #endif
+}
+MOE_HD uint32_t MxScalePair(uint32_t scale_word, int byte_index) {
+  return MxScalePairMul(scale_word, byte_index, 128u);
 }
 // Byte index of the scale of fragment row half `row8` (0: row g, 1: row g+8) at k-step `step`.
 MOE_HD int MxScaleByte(int step, int row8) { return 2 * row8 + (step >> 1); }
