@@ -48,7 +48,8 @@ ABSL_FLAG(int, variant, -1,
 ABSL_FLAG(std::string, extras, "",
           "comma-separated names of the extra configurations to time (empty: all), the wgmma "
           "points' ones included (mma_sync_no_wgmma, wgmma_variant1, wgmma_variant2, "
-          "wgmma_hidden_staged, wgmma_y_f32, wgmma_l2_ahead, wgmma_staged_y_f32); a name "
+          "wgmma_hidden_staged, wgmma_y_f32, wgmma_l2_ahead, wgmma_persistent, "
+          "wgmma_not_persistent, default_again, wgmma_staged_y_f32); a name "
           "that matches none (e.g. none) times none");
 ABSL_FLAG(std::string, backend_tokens, "",
           "comma-separated token counts at which to also time CudaExpertBackend::Run from host "
@@ -267,8 +268,9 @@ void PrintWgmmaTrace(const cuda::DeviceExpertLayer& layer, cuda::ExpertRunner& r
                      const std::vector<std::unique_ptr<DeviceInputs>>& sets, cudaStream_t stream) {
   constexpr int64_t kMaxCtas = int64_t{1} << 17;  // per GEMM
   constexpr int W = cuda::kWgTraceWords;
-  // The kernel writes one record per CTA of its grid (items x 256-row blocks; the wgmma plan
-  // has no more items than the given one, whose grid the runner may round up by 1/8).
+  // The kernel writes one record per tile (items x 256-row blocks; the wgmma plan has no more
+  // items than the given one, whose grid the runner may round up by 1/8): per CTA, or with
+  // persistent CTAs per tile, its start being where the CTA's loop reaches it.
   const int64_t row_blocks =
       std::max((2 * layer.inter_padded + 255) / 256, (layer.hidden + 255) / 256);
   for (const auto& set : sets) {
@@ -603,6 +605,20 @@ int Main() {
         time_with_stages("wgmma_l2_ahead");
         runner.set_wgmma_l2_ahead(false);
       }
+      // Persistent CTAs forced on and off (set_wgmma_persistent; the default: NVFP4 only).
+      if (is_wanted("wgmma_persistent")) {
+        runner.set_wgmma_persistent(cuda::ExpertRunner::kPersistentOn);
+        time_with_stages("wgmma_persistent");
+        runner.set_wgmma_persistent(cuda::ExpertRunner::kPersistentAuto);
+      }
+      if (is_wanted("wgmma_not_persistent")) {
+        runner.set_wgmma_persistent(cuda::ExpertRunner::kPersistentOff);
+        time_with_stages("wgmma_not_persistent");
+        runner.set_wgmma_persistent(cuda::ExpertRunner::kPersistentAuto);
+      }
+      // The default again after the extras above: with the main line, an A-B-A pair that cancels
+      // a steady drift of the clock (the power cap) between them.
+      if (is_wanted("default_again")) time_with_stages("default_again");
       if (is_wanted("wgmma_staged_y_f32")) {  // both off: the form before they existed
         runner.set_hidden_in_place(false);
         runner.set_y_bf16(false);

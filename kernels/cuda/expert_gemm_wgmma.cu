@@ -26,6 +26,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <type_traits>
@@ -138,11 +139,10 @@ struct WgBLoader {
 
   // The gather indices are loaded first, all in flight together (a load per vector behind its
   // own branch left each one's latency exposed: ncu source sampling, NOTES-cuda.md); vectors
-  // past the item's tokens look up its first slot and copy nothing.
-  __device__ __forceinline__ void Init(const ExpertGemmParams& p, const ExpertItem& item) {
-    const int64_t row_vectors = static_cast<int64_t>(p.chunks) * kActChunkVectors;
-    const uint4* base = reinterpret_cast<const uint4*>(p.b_rows);
-    int row[kPerThread];
+  // past the item's tokens look up its first slot and copy nothing. Gather issues those loads,
+  // Resolve uses them (a persistent CTA puts the epilogue's stage step between the two).
+  __device__ __forceinline__ static void Gather(const ExpertGemmParams& p, const ExpertItem& item,
+                                                int (&row)[kPerThread]) {
 #pragma unroll
     for (int k = 0; k < kPerThread; ++k) {
       const int token = (static_cast<int>(threadIdx.x) + k * kThreads) / kActChunkVectors;
@@ -152,6 +152,16 @@ struct WgBLoader {
 #pragma unroll
       for (int k = 0; k < kPerThread; ++k) row[k] = p.b_row_of_slot[row[k]];
     }
+  }
+  __device__ __forceinline__ void Init(const ExpertGemmParams& p, const ExpertItem& item) {
+    int row[kPerThread];
+    Gather(p, item, row);
+    Resolve(p, item, row);
+  }
+  __device__ __forceinline__ void Resolve(const ExpertGemmParams& p, const ExpertItem& item,
+                                          const int (&row)[kPerThread]) {
+    const int64_t row_vectors = static_cast<int64_t>(p.chunks) * kActChunkVectors;
+    const uint4* base = reinterpret_cast<const uint4*>(p.b_rows);
 #pragma unroll
     for (int k = 0; k < kPerThread; ++k) {
       const int index = static_cast<int>(threadIdx.x) + k * kThreads;
@@ -371,14 +381,27 @@ extern __shared__ __align__(16) uint8_t wg_smem[];
 // ExpertGemmParams::l2_ahead_tiles: thread 0 copies the item of the tile to prefetch for here at
 // tile start (kept in shared memory: one more register live across the main loop makes ptxas
 // serialize the wgmma, C7512).
-__shared__ ExpertItem wg_ahead_item;
+__shared__ __align__(16) ExpertItem wg_ahead_item;  // cp.async destinations: 16-byte aligned
 __shared__ int32_t wg_ahead_tile;
 __shared__ int32_t wg_tiles;       // row_blocks x the device's item count
 __shared__ int32_t wg_row_blocks;
 
-// ExpertGemmParams::wg_trace: thread 0 records word `k` of this CTA (an SM id or a time).
+// The persistent schedule (ExpertGemmParams::wg_claims): this CTA's width class, its first item
+// in wg_items and its tile count; the next tile (row block, or -1: none; its item arrives by
+// cp.async) and the trace record of the current one. Written by thread 0.
+__shared__ int32_t wg_class;
+__shared__ int32_t wg_class_first;
+__shared__ int32_t wg_class_tiles;
+__shared__ int32_t wg_next_row_block;
+__shared__ int32_t wg_next_record;
+__shared__ __align__(16) ExpertItem wg_next_item;
+__shared__ int32_t wg_record;
+
+// ExpertGemmParams::wg_trace: thread 0 records word `k` of this CTA's tile (an SM id or a time):
+// record blockIdx.x, or in a persistent CTA the tile's position in the class order.
 __device__ __forceinline__ void WgTrace(const ExpertGemmParams& p, int k) {
   if (p.wg_trace == nullptr || threadIdx.x != 0) return;
+  const int64_t record = p.wg_claims != nullptr ? wg_record : static_cast<int64_t>(blockIdx.x);
   unsigned long long v;
   if (k == 0) {
     unsigned sm;
@@ -387,7 +410,7 @@ __device__ __forceinline__ void WgTrace(const ExpertGemmParams& p, int k) {
   } else {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
   }
-  p.wg_trace[kWgTraceWords * blockIdx.x + k] = v;
+  p.wg_trace[kWgTraceWords * record + k] = v;
 }
 
 // GEMM2's staged epilogue, second half: the y tile (element T, kPitch per token, 256 rows) goes
@@ -451,11 +474,12 @@ __device__ __forceinline__ void StageYTile(int slot, int lane, const WgEpInputs&
 // wgmma group and cp.async of the tile and passed a CTA barrier (the ring is free). Each warp
 // writes its tile into a [token][row] tile in shared memory (pitches chosen so the writes spread
 // over the banks); whole token rows then leave in coalesced 16-byte stores.
-template <bool kGemm1, int kThreads, int N>
+// GEMM1: `staged` runs once the act tile is in shared memory, before its stores.
+template <bool kGemm1, int kThreads, int N, class Staged>
 __device__ __forceinline__ void WgFinishStaged(const ExpertGemmParams& p, const ExpertItem& item,
                                                int row_block, int slot, uint32_t smem_base,
                                                int lane, const WgEpInputs& in,
-                                               const float (&acc)[N / 2]) {
+                                               const float (&acc)[N / 2], Staged&& staged) {
   uint8_t* smem = wg_smem + (smem_base - static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem)));
   const int tile = row_block * 16 + slot;
   const int g = lane >> 2;
@@ -468,6 +492,7 @@ __device__ __forceinline__ void WgFinishStaged(const ExpertGemmParams& p, const 
     }
     __syncthreads();
     WgTrace(p, 7);
+    staged();
     // out_cols is a multiple of 64, so rows and the CTA's 128 columns are 16-byte aligned.
     const int vectors = min(16, (p.out_cols - row_block * 128) / 8);
     uint16_t* out =
@@ -585,12 +610,43 @@ __device__ __forceinline__ void WgBody(const ExpertGemmParams& p, const ExpertIt
   WgFinish<kGemm1, MB, N>(p, item, tile_base, lane, acc);
 }
 
+// Persistent CTAs (ExpertGemmParams::wg_claims), thread 0: claims the next tile of the CTA's
+// class. The result is first used a chunk later (WgFetchNext), so the atomic's round trip
+// overlaps a chunk of the main loop.
+__device__ __forceinline__ int WgClaimNext(const ExpertGemmParams& p) {
+  int c;
+  asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;\n"
+               : "=r"(c)
+               : "l"(p.wg_claims + wg_class)
+               : "memory");
+  return c;
+}
+// Thread 0: claim `c` becomes the next tile (its item copied by cp.async, in the caller's
+// group), or there is none.
+__device__ __forceinline__ void WgFetchNext(const ExpertGemmParams& p, int c) {
+  if (c < wg_class_tiles) {
+    const int rb = wg_row_blocks;
+    const int index = wg_class_first + c / rb;
+    wg_next_row_block = c % rb;
+    wg_next_record = wg_class_first * rb + c;
+    WgCpAsync16(static_cast<uint32_t>(__cvta_generic_to_shared(&wg_next_item)), p.wg_items + index);
+  } else {
+    wg_next_row_block = -1;
+  }
+}
+
 // Variant 0: weights through the shared-memory ring. Per chunk i (one cp.async group: B of chunk
 // i + SB - 2 and weights of chunk i + SW - 2, both into the stages of chunk i - 2): wait for
 // B(i) (weights of i came in an earlier group), barrier, refill, then dequantize from shared
 // memory and issue the wgmma group.
-template <class Fmt, bool kGemm1, int V, int N>
-__device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const ExpertItem& item,
+//
+// kPersist (ExpertGemmParams::wg_claims): after its tile the CTA goes on with the next tile of
+// its width class. Thread 0 claims it three chunks before the end and copies its item in the
+// next chunk's group, so it is known when the wgmma groups drain; its first weight stages then
+// load while the epilogue runs (the weight ring is free, and the staged tile stays in the B
+// stages except for GEMM2's F32 y, which loads them after the epilogue instead).
+template <class Fmt, bool kGemm1, int V, int N, bool kPersist>
+__device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, ExpertItem item,
                                             int row_block, uint32_t smem_base) {
   using Cfg = WgConfig<V>;
   using Scale = typename Fmt::Scale;
@@ -599,130 +655,236 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, const Exp
   static_assert(Cfg::kCtaTiles == 16 && SW >= SB);
   constexpr uint32_t kCodeStage = WgCodeStageBytes<Fmt>();
   constexpr uint32_t kScaleStage = WgScaleStageBytes<Fmt>();
+  // The staged epilogue's tile fits in the B stages (GEMM1's act tile, GEMM2's BF16 y tile and
+  // its routes), so a persistent CTA may fill the weight ring during it.
+  static_assert(kWgMaxTokens * kWgActPitch * 2 <= SB * kWgStageBytes &&
+                kWgMaxTokens * (kWgYPitchBf16 * 2 + 4) <= SB * kWgStageBytes);
   const uint32_t code_base = smem_base + SB * kWgStageBytes;
   const uint32_t scale_base = code_base + SW * kCodeStage;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wg = warp >> 2, wq = warp & 3;
   const int g = lane >> 2;
   const int slot_base = wg * (MB * 4) + wq;  // + 4 b: block b's tile slot in the CTA
-  const int tile_base = row_block * Cfg::kCtaTiles + slot_base;
   const int n = p.chunks;
-
-  WgWLoader<Fmt, Cfg::kThreads> wl;
-  wl.Init(p, item, row_block);
-  for (int st = 0; st < SW - 2 && st < n; ++st) {
-    wl.Load(code_base + st * kCodeStage, scale_base + st * kScaleStage, st);
-  }
-  // L2 ahead: thread 0 (which wrote wg_tiles and wg_row_blocks) copies the item of the tile it
-  // will prefetch for, in the cp.async group of B(0), so it is in shared memory by the epilogue.
-  if (p.l2_ahead_tiles > 0 && threadIdx.x == 0) {
-    const int ahead = static_cast<int>(blockIdx.x) + p.l2_ahead_tiles;
-    wg_ahead_tile = ahead;
-    if (ahead < wg_tiles) {
-      WgCpAsync16(static_cast<uint32_t>(__cvta_generic_to_shared(&wg_ahead_item)),
-                  p.items + ahead / wg_row_blocks);
-    }
-  }
-  if constexpr (!kGemm1) {
-    WaitForPrerequisites();
-    AllowDependents();
-  }
-  WgTrace(p, 2);
+  // Persistent: the chunk whose refill step claims the next tile (its item follows a chunk
+  // later, or after the loop when there is no later chunk).
+  const int claim_at = n > 3 ? n - 3 : 0;
+  bool weights_issued = false;  // this tile's first weight stages were issued in the last epilogue
+  // GEMM1 of a persistent CTA: the act tile fills the first kActStages B stages, so the next
+  // tile's B(0) and B(1) load into the last two during the epilogue's stores (its B ring then
+  // starts at stage kActStages).
+  constexpr int kActStages = (kWgMaxTokens * kWgActPitch * 2 + kWgStageBytes - 1) / kWgStageBytes;
+  static_assert(kActStages + 2 == SB);
+  bool b_issued = false;  // this tile's B(0) and B(1) were issued in the last epilogue
   WgBLoader<N, Cfg::kThreads> loader;
-  loader.Init(p, item);
-#pragma unroll
-  for (int st = 0; st < SB - 2; ++st) {
-    if (st < n) loader.Load(smem_base + st * kWgStageBytes, st);
-    WgCpAsyncCommit();  // group st: B(st) (+ the weights above in group 0)
-  }
 
-  float acc[MB][N / 2];
-  WgZero(acc);
-  uint32_t a[MB][kStepsPerChunk][4];
-  const uint64_t desc_base = SmemDescriptor(smem_base);
+  for (;;) {
+    const int tile_base = row_block * Cfg::kCtaTiles + slot_base;
+    WgWLoader<Fmt, Cfg::kThreads> wl;
+    wl.Init(p, item, row_block);
+    if (!weights_issued) {
+      for (int st = 0; st < SW - 2 && st < n; ++st) {
+        wl.Load(code_base + st * kCodeStage, scale_base + st * kScaleStage, st);
+      }
+    }
+    // L2 ahead: thread 0 (which wrote wg_tiles and wg_row_blocks) copies the item of the tile it
+    // will prefetch for, in the cp.async group of B(0), so it is in shared memory by the
+    // epilogue.
+    if (!kPersist && p.l2_ahead_tiles > 0 && threadIdx.x == 0) {
+      const int ahead = static_cast<int>(blockIdx.x) + p.l2_ahead_tiles;
+      wg_ahead_tile = ahead;
+      if (ahead < wg_tiles) {
+        WgCpAsync16(static_cast<uint32_t>(__cvta_generic_to_shared(&wg_ahead_item)),
+                    p.items + ahead / wg_row_blocks);
+      }
+    }
+    if constexpr (!kGemm1) {  // a no-op after a persistent CTA's first tile
+      WaitForPrerequisites();
+      AllowDependents();
+    }
+    WgTrace(p, 2);
+    const int bstage0 = b_issued ? kActStages : 0;  // stage of B(0)
+    if (!b_issued) loader.Init(p, item);
+#pragma unroll
+    for (int st = 0; st < SB - 2; ++st) {
+      if (b_issued && st < 2) continue;  // committed in the last epilogue
+      const int stage = bstage0 + st < SB ? bstage0 + st : bstage0 + st - SB;
+      if (st < n) loader.Load(smem_base + stage * kWgStageBytes, st);
+      WgCpAsyncCommit();  // group st: B(st) (+ the weights above in group 0)
+    }
 
-  if (p.wg_trace != nullptr) {  // the trace only: when the first chunk's stages have landed
-    WgCpAsyncWait<SB - 3>();
-    __syncthreads();
-    WgTrace(p, 3);
-  }
-  int bstage = 0, wstage = 0;  // i % SB, i % SW
-  for (int i = 0; i < n; ++i) {
-    WgCpAsyncWait<SB - 3>();
-    FenceProxyAsync();
-    __syncthreads();
-    const int brefill = i + SB - 2;
-    const int brefill_stage = bstage >= 2 ? bstage - 2 : bstage + SB - 2;
-    if (brefill < n) loader.Load(smem_base + brefill_stage * kWgStageBytes, brefill);
-    const int wrefill = i + SW - 2;
-    const int wrefill_stage = wstage >= 2 ? wstage - 2 : wstage + SW - 2;
-    if (wrefill < n) {
-      wl.Load(code_base + wrefill_stage * kCodeStage, scale_base + wrefill_stage * kScaleStage,
-              wrefill);
+    float acc[MB][N / 2];
+    WgZero(acc);
+    uint32_t a[MB][kStepsPerChunk][4];
+    const uint64_t desc_base = SmemDescriptor(smem_base);
+
+    if (p.wg_trace != nullptr) {  // the trace only: when the first chunk's stages have landed
+      WgCpAsyncWait<SB - 3>();
+      __syncthreads();
+      WgTrace(p, 3);
     }
-    WgCpAsyncCommit();
-    const uint64_t stage_desc = desc_base + bstage * (kWgStageBytes >> 4);
-    const uint32_t code_stage = code_base + wstage * kCodeStage;
-    const uint32_t scale_stage = scale_base + wstage * kScaleStage;
+    int bstage = bstage0, wstage = 0;  // (bstage0 + i) % SB, i % SW
+    int claim = 0;
+    // Chunk i; `hook` runs in its refill step, before the commit (thread 0's claim steps).
+    const auto chunk = [&](int i, auto&& hook) {
+      WgCpAsyncWait<SB - 3>();
+      FenceProxyAsync();
+      __syncthreads();
+      const int brefill = i + SB - 2;
+      const int brefill_stage = bstage >= 2 ? bstage - 2 : bstage + SB - 2;
+      if (brefill < n) loader.Load(smem_base + brefill_stage * kWgStageBytes, brefill);
+      const int wrefill = i + SW - 2;
+      const int wrefill_stage = wstage >= 2 ? wstage - 2 : wstage + SW - 2;
+      if (wrefill < n) {
+        wl.Load(code_base + wrefill_stage * kCodeStage, scale_base + wrefill_stage * kScaleStage,
+                wrefill);
+      }
+      hook();
+      WgCpAsyncCommit();
+      const uint64_t stage_desc = desc_base + bstage * (kWgStageBytes >> 4);
+      const uint32_t code_stage = code_base + wstage * kCodeStage;
+      const uint32_t scale_stage = scale_base + wstage * kScaleStage;
 #pragma unroll
-    for (int b = 0; b < MB; ++b) {
-      const int slot = slot_base + 4 * b;
-      uint4 v;
-      Scale sc;
-      LdShared(code_stage + (slot * kWarpLanes + lane) * 16, v);
-      if constexpr (sizeof(Scale) == 16) {
-        LdShared(scale_stage + (slot * 8 + g) * 16, sc);
-      } else {
-        LdShared(scale_stage + (slot * 8 + g) * 4, sc);
-      }
+      for (int b = 0; b < MB; ++b) {
+        const int slot = slot_base + 4 * b;
+        uint4 v;
+        Scale sc;
+        LdShared(code_stage + (slot * kWarpLanes + lane) * 16, v);
+        if constexpr (sizeof(Scale) == 16) {
+          LdShared(scale_stage + (slot * 8 + g) * 16, sc);
+        } else {
+          LdShared(scale_stage + (slot * 8 + g) * 4, sc);
+        }
 #pragma unroll
-      for (int step = 0; step < kStepsPerChunk; ++step) {
-        WgStep<Fmt, N, kGroupsPerChunk>(v, sc, step, p.shift_mul, a[b][step], acc[b],
-                                        stage_desc);
+        for (int step = 0; step < kStepsPerChunk; ++step) {
+          WgStep<Fmt, N, kGroupsPerChunk>(v, sc, step, p.shift_mul, a[b][step], acc[b],
+                                          stage_desc);
+        }
+      }
+      bstage = bstage == SB - 1 ? 0 : bstage + 1;
+      wstage = wstage == SW - 1 ? 0 : wstage + 1;
+    };
+    if constexpr (kPersist) {
+      // The chunks before the claim without the claim's checks, then the last few with them.
+      int i = 0;
+#pragma unroll 1
+      for (; i < claim_at; ++i) chunk(i, [] {});
+#pragma unroll 1
+      for (; i < n; ++i) {
+        chunk(i, [&] {
+          if (threadIdx.x == 0) {
+            if (i == claim_at) claim = WgClaimNext(p);
+            if (i == claim_at + 1) WgFetchNext(p, claim);
+          }
+        });
+      }
+      if (claim_at + 1 >= n) {
+        if (threadIdx.x == 0) {
+          if (n == 0) claim = WgClaimNext(p);
+          WgFetchNext(p, claim);
+        }
+        WgCpAsyncCommit();
+      }
+    } else {
+#pragma unroll 1
+      for (int i = 0; i < n; ++i) chunk(i, [] {});
+    }
+    static_assert(MB == 1 && WgSmemBytes<Fmt, V>() >= kWgStagedEpilogueBytes + 1024);
+    WgTrace(p, 4);
+    const WgEpInputs ep_in = LoadEpInputs<kGemm1>(p, item, tile_base, lane);
+    WgmmaWait<0>();
+    WgCpAsyncWait<0>();
+    __syncthreads();  // every warpgroup's wgmma has read its last stage; the ahead item has landed
+    WgTrace(p, 6);
+    ExpertItem next{};
+    int next_row_block = -1;
+    int next_rows[WgBLoader<N, Cfg::kThreads>::kPerThread];
+    // The next tile's first weight stages, as one cp.async group.
+    const auto IssueFirstWeights = [&](const ExpertItem& it, int rb) {
+      WgWLoader<Fmt, Cfg::kThreads> next_wl;
+      next_wl.Init(p, it, rb);
+      for (int st = 0; st < SW - 2 && st < n; ++st) {
+        next_wl.Load(code_base + st * kCodeStage, scale_base + st * kScaleStage, st);
+      }
+      WgCpAsyncCommit();
+    };
+    b_issued = false;
+    if constexpr (kPersist) {
+      next_row_block = wg_next_row_block;
+      if (next_row_block >= 0) {
+        next = wg_next_item;
+        weights_issued = kGemm1 || p.y_bf16;
+        if constexpr (kGemm1) {  // weights and B(0), B(1) after the stage step (below)
+          b_issued = true;
+          WgBLoader<N, Cfg::kThreads>::Gather(p, next, next_rows);
+        } else if (weights_issued) {
+          IssueFirstWeights(next, next_row_block);
+        }
+      }
+    } else if (p.l2_ahead_tiles > 0 && warp == 0 && wg_ahead_tile < wg_tiles) {
+      // L2 ahead: warp 0 asks L2 for the first weight stages of the tile likely to start on an
+      // SM when this CTA ends (one resident CTA per SM, CTAs start in index order), so that its
+      // first loads, which nothing overlaps, hit L2 instead of DRAM. 16 lanes take a weight
+      // tile's codes, 16 its scales (both contiguous over the first chunks in the repack.h
+      // layout).
+      const ExpertItem ahead = wg_ahead_item;
+      const int tile = (wg_ahead_tile % wg_row_blocks) * Cfg::kCtaTiles + (lane & 15);
+      const int chunks = min(n, SW - 2);
+      if (tile < p.tiles) {
+        const int64_t first = static_cast<int64_t>(tile) * p.chunks;
+        if (lane < 16) {
+          BulkPrefetchL2(static_cast<const uint4*>(p.values) +
+                             ahead.expert * p.values_expert_stride + first * kWarpLanes,
+                         chunks * kChunkBytes);
+        } else {
+          BulkPrefetchL2(static_cast<const Scale*>(p.scales) +
+                             ahead.expert * p.scales_expert_stride + first * 8,
+                         chunks * 8 * static_cast<int>(sizeof(Scale)));
+        }
       }
     }
-    bstage = bstage == SB - 1 ? 0 : bstage + 1;
-    wstage = wstage == SW - 1 ? 0 : wstage + 1;
-  }
-  static_assert(MB == 1 && WgSmemBytes<Fmt, V>() >= kWgStagedEpilogueBytes + 1024);
-  WgTrace(p, 4);
-  const WgEpInputs ep_in = LoadEpInputs<kGemm1>(p, item, tile_base, lane);
-  WgmmaWait<0>();
-  WgCpAsyncWait<0>();
-  __syncthreads();  // every warpgroup's wgmma has read its last stage; the ahead item has landed
-  WgTrace(p, 6);
-  // L2 ahead: warp 0 asks L2 for the first weight stages of the tile likely to start on an SM
-  // when this CTA ends (one resident CTA per SM, CTAs start in index order), so that its first
-  // loads, which nothing overlaps, hit L2 instead of DRAM. 16 lanes take a weight tile's codes,
-  // 16 its scales (both contiguous over the first chunks in the repack.h layout).
-  if (p.l2_ahead_tiles > 0 && warp == 0 && wg_ahead_tile < wg_tiles) {
-    const ExpertItem ahead = wg_ahead_item;
-    const int tile = (wg_ahead_tile % wg_row_blocks) * Cfg::kCtaTiles + (lane & 15);
-    const int chunks = min(n, SW - 2);
-    if (tile < p.tiles) {
-      const int64_t first = static_cast<int64_t>(tile) * p.chunks;
-      if (lane < 16) {
-        BulkPrefetchL2(static_cast<const uint4*>(p.values) + ahead.expert * p.values_expert_stride +
-                           first * kWarpLanes,
-                       chunks * kChunkBytes);
-      } else {
-        BulkPrefetchL2(static_cast<const Scale*>(p.scales) + ahead.expert * p.scales_expert_stride +
-                           first * 8,
-                       chunks * 8 * static_cast<int>(sizeof(Scale)));
+    WgFinishStaged<kGemm1, Cfg::kThreads, N>(
+        p, item, row_block, slot_base, smem_base, lane, ep_in, acc[0], [&] {
+          if (!b_issued) return;
+          // The next tile's first weight stages, then its B(0) and B(1) in the stages the act
+          // tile leaves free: their loads overlap the stores (issued before the stage step, the
+          // copies slowed it by ~0.5 us; trace, NOTES-cuda.md).
+          IssueFirstWeights(next, next_row_block);
+          loader.Resolve(p, next, next_rows);
+#pragma unroll
+          for (int st = 0; st < 2; ++st) {
+            if (st < n) loader.Load(smem_base + (kActStages + st) * kWgStageBytes, st);
+            WgCpAsyncCommit();
+          }
+        });
+    WgTrace(p, 5);
+    if constexpr (!kPersist) {
+      return;
+    } else {
+      if (next_row_block < 0) return;
+      // The next tile's record, SM and start in one place: separate thread-0 branches at the
+      // end of the loop made ptxas keep the main loop's stage counters in vector registers
+      // (17-21 more instructions per chunk).
+      if (p.wg_trace != nullptr && threadIdx.x == 0) {
+        wg_record = wg_next_record;
+        WgTrace(p, 0);
+        WgTrace(p, 1);
       }
+      // Every thread is done with the staged tile before the next tile's B stages land on it.
+      __syncthreads();
+      item = next;
+      row_block = next_row_block;
     }
   }
-  WgFinishStaged<kGemm1, Cfg::kThreads, N>(p, item, row_block, slot_base, smem_base, lane, ep_in,
-                                            acc[0]);
-  WgTrace(p, 5);
 }
 
-template <class Fmt, bool kGemm1, int V, int N>
+template <class Fmt, bool kGemm1, int V, bool kPersist, int N>
 __device__ __forceinline__ void WgRun(const ExpertGemmParams& p, const ExpertItem& item,
                                       int row_block, uint32_t smem_base) {
   if constexpr (WgConfig<V>::kSmemWeights) {
-    WgBodySmemW<Fmt, kGemm1, V, N>(p, item, row_block, smem_base);
+    WgBodySmemW<Fmt, kGemm1, V, N, kPersist>(p, item, row_block, smem_base);
   } else {
+    static_assert(!kPersist);
     WgBody<Fmt, kGemm1, V, N>(p, item, row_block, smem_base);
   }
 }
@@ -734,50 +896,119 @@ __device__ __forceinline__ uint32_t WgSmemBase() {
 }
 
 // The body for the item's width.
-template <class Fmt, bool kGemm1, int V>
+static_assert(WgmmaWidthClass(144) == 0 && WgmmaWidthClass(137) == 0 &&
+              WgmmaWidthClass(136) == 1 && WgmmaWidthClass(97) == 5 && WgmmaWidthClass(96) == 6 &&
+              WgmmaWidthClass(65) == 6 && WgmmaWidthClass(64) == 7 && WgmmaWidthClass(33) == 7 &&
+              WgmmaWidthClass(32) == 8 && WgmmaWidthClass(1) == 8 && WgmmaClassWidth(0) == 144 &&
+              WgmmaClassWidth(5) == 104 && WgmmaClassWidth(6) == 96 && WgmmaClassWidth(8) == 32,
+              "WgDispatch's widths");
+template <class Fmt, bool kGemm1, int V, bool kPersist>
 __device__ __forceinline__ void WgDispatch(const ExpertGemmParams& p, const ExpertItem& item,
                                            int row_block, uint32_t smem_base) {
   if (item.count <= 32) {
-    WgRun<Fmt, kGemm1, V, 32>(p, item, row_block, smem_base);
+    WgRun<Fmt, kGemm1, V, kPersist, 32>(p, item, row_block, smem_base);
   } else if (item.count <= 64) {
-    WgRun<Fmt, kGemm1, V, 64>(p, item, row_block, smem_base);
+    WgRun<Fmt, kGemm1, V, kPersist, 64>(p, item, row_block, smem_base);
   } else if (item.count <= 96) {
-    WgRun<Fmt, kGemm1, V, 96>(p, item, row_block, smem_base);
+    WgRun<Fmt, kGemm1, V, kPersist, 96>(p, item, row_block, smem_base);
   } else if (item.count <= 104) {
-    WgRun<Fmt, kGemm1, V, 104>(p, item, row_block, smem_base);
+    WgRun<Fmt, kGemm1, V, kPersist, 104>(p, item, row_block, smem_base);
   } else if (item.count <= 112) {
-    WgRun<Fmt, kGemm1, V, 112>(p, item, row_block, smem_base);
+    WgRun<Fmt, kGemm1, V, kPersist, 112>(p, item, row_block, smem_base);
   } else if (item.count <= 120) {
-    WgRun<Fmt, kGemm1, V, 120>(p, item, row_block, smem_base);
+    WgRun<Fmt, kGemm1, V, kPersist, 120>(p, item, row_block, smem_base);
   } else if (item.count <= 128) {
-    WgRun<Fmt, kGemm1, V, 128>(p, item, row_block, smem_base);
+    WgRun<Fmt, kGemm1, V, kPersist, 128>(p, item, row_block, smem_base);
   } else if (item.count <= 136) {
-    WgRun<Fmt, kGemm1, V, 136>(p, item, row_block, smem_base);
+    WgRun<Fmt, kGemm1, V, kPersist, 136>(p, item, row_block, smem_base);
   } else {
-    WgRun<Fmt, kGemm1, V, 144>(p, item, row_block, smem_base);
+    WgRun<Fmt, kGemm1, V, kPersist, 144>(p, item, row_block, smem_base);
   }
 }
 
 // blockIdx.x = row block + row_blocks * item, as in the other GEMM kernels, and the same
 // programmatic launch protocol (GEMM1 waits first; GEMM2 issues its first weight loads, then
 // waits).
-template <class Fmt, bool kGemm1, int V>
+// A persistent CTA's first tile: from the widest class with tiles left. Warp 0 reads every
+// class's start and claim count at once; lane 0 claims, trying the next open class when a claim
+// comes back past its class's end. False: no tile left (the whole CTA leaves).
+__device__ __forceinline__ bool WgClaimFirst(const ExpertGemmParams& p, int row_blocks,
+                                             ExpertItem& item, int& row_block) {
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    int first = 0, tiles = 0, claimed = 0;
+    if (lane < kWgWidthClasses) {
+      first = __ldcg(p.wg_starts + lane);
+      tiles = (__ldcg(p.wg_starts + lane + 1) - first) * row_blocks;
+      claimed = __ldcg(p.wg_claims + lane);
+    }
+    uint32_t open = __ballot_sync(0xffffffffu, lane < kWgWidthClasses && claimed < tiles);
+    int found = -1, c = 0;
+    while (open != 0) {
+      const int cls = __ffs(static_cast<int>(open)) - 1;
+      if (lane == 0) {
+        asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;\n"
+                     : "=r"(c)
+                     : "l"(p.wg_claims + cls)
+                     : "memory");
+      }
+      c = __shfl_sync(0xffffffffu, c, 0);
+      if (c < __shfl_sync(0xffffffffu, tiles, cls)) {
+        found = cls;
+        break;
+      }
+      open &= open - 1;
+    }
+    const int src = found < 0 ? 0 : found;
+    const int class_first = __shfl_sync(0xffffffffu, first, src);
+    const int class_tiles = __shfl_sync(0xffffffffu, tiles, src);
+    if (lane == 0) {
+      wg_row_blocks = row_blocks;
+      wg_next_row_block = found < 0 ? -1 : c % row_blocks;
+      if (found >= 0) {
+        wg_class = found;
+        wg_class_first = class_first;
+        wg_class_tiles = class_tiles;
+        wg_record = class_first * row_blocks + c;
+        wg_next_item = p.wg_items[class_first + c / row_blocks];
+      }
+    }
+  }
+  __syncthreads();
+  row_block = wg_next_row_block;
+  if (row_block < 0) return false;
+  item = wg_next_item;
+  return true;
+}
+
+// blockIdx.x = row block + row_blocks * item, as in the other GEMM kernels, and the same
+// programmatic launch protocol (GEMM1 waits first; GEMM2 issues its first weight loads, then
+// waits). kPersist: tiles come from the width-class claim counters instead (WgClaimFirst).
+template <class Fmt, bool kGemm1, int V, bool kPersist>
 __global__ void __launch_bounds__(WgConfig<V>::kThreads, 1)
     WgmmaGemmKernel(const ExpertGemmParams p, int row_blocks) {
   ExpertItem item;
   int row_block;
-  if (!BlockItem<kGemm1>(p, row_blocks, item, row_block)) return;  // whole CTA
+  if constexpr (kPersist) {
+    if constexpr (kGemm1) {
+      WaitForPrerequisites();
+      AllowDependents();
+    }
+    if (!WgClaimFirst(p, row_blocks, item, row_block)) return;  // whole CTA
+  } else {
+    if (!BlockItem<kGemm1>(p, row_blocks, item, row_block)) return;  // whole CTA
+    if (threadIdx.x == 0) {  // read by thread 0 only until the first barrier
+      wg_tiles = row_blocks * *p.num_items;
+      wg_row_blocks = row_blocks;
+    }
+  }
   WgTrace(p, 0);
   WgTrace(p, 1);
-  if (threadIdx.x == 0) {  // read by thread 0 only until the first barrier
-    wg_tiles = row_blocks * *p.num_items;
-    wg_row_blocks = row_blocks;
-  }
-  WgDispatch<Fmt, kGemm1, V>(p, item, row_block, WgSmemBase());
+  WgDispatch<Fmt, kGemm1, V, kPersist>(p, item, row_block, WgSmemBase());
 }
 
 using WgKernel = void (*)(ExpertGemmParams, int);
-// [variant][nvfp4][gemm2]
+// [variant][nvfp4][gemm2], and the persistent form of variant 0
 constexpr int kWgVariants = 3;
 struct WgLaunchEntry {
   WgKernel kernel;
@@ -785,21 +1016,26 @@ struct WgLaunchEntry {
   int threads;
   int rows;
 };
-template <int V>
+template <int V, bool kPersist = false>
 WgLaunchEntry WgEntryOf(int nv, int gemm2) {
   const WgKernel kernels[2][2] = {
-      {&WgmmaGemmKernel<Mxfp4, true, V>, &WgmmaGemmKernel<Mxfp4, false, V>},
-      {&WgmmaGemmKernel<Nvfp4, true, V>, &WgmmaGemmKernel<Nvfp4, false, V>}};
+      {&WgmmaGemmKernel<Mxfp4, true, V, kPersist>, &WgmmaGemmKernel<Mxfp4, false, V, kPersist>},
+      {&WgmmaGemmKernel<Nvfp4, true, V, kPersist>, &WgmmaGemmKernel<Nvfp4, false, V, kPersist>}};
   const int smem[2] = {static_cast<int>(WgSmemBytes<Mxfp4, V>()),
                        static_cast<int>(WgSmemBytes<Nvfp4, V>())};
   return WgLaunchEntry{kernels[nv][gemm2], smem[nv], WgConfig<V>::kThreads,
                        WgConfig<V>::kCtaRows};
 }
-WgLaunchEntry WgLookup(int v, int nv, int gemm2) {
+// v: the variant; persist (variant 0 only): the persistent form.
+WgLaunchEntry WgLookup(int v, int nv, int gemm2, bool persist = false) {
   return v == 1   ? WgEntryOf<1>(nv, gemm2)
          : v == 2 ? WgEntryOf<2>(nv, gemm2)
-                  : WgEntryOf<0>(nv, gemm2);
+         : persist ? WgEntryOf<0, true>(nv, gemm2)
+                   : WgEntryOf<0>(nv, gemm2);
 }
+// A persistent grid of one wave per width class is enough only while at most one CTA is resident
+// per SM (a class's CTAs all stay until it runs out): the ring's shared memory guarantees that.
+static_assert(2 * WgSmemBytes<Mxfp4, 0>() > 228 * 1024 && 2 * WgSmemBytes<Nvfp4, 0>() > 228 * 1024);
 
 // The current device's SM count, looked up once per device.
 cudaError_t MultiprocessorCount(int* sms) {
@@ -824,10 +1060,11 @@ std::atomic<uint64_t> g_smem_configured{0};
 
 cudaError_t ConfigureSharedMemory() {
   return OncePerDevice(g_smem_configured, [] {
-    for (int v = 0; v < kWgVariants; ++v) {
+    for (int v = 0; v <= kWgVariants; ++v) {  // kWgVariants: variant 0's persistent form
       for (int nv = 0; nv < 2; ++nv) {
         for (int gemm2 = 0; gemm2 < 2; ++gemm2) {
-          const WgLaunchEntry e = WgLookup(v, nv, gemm2);
+          const WgLaunchEntry e = v == kWgVariants ? WgLookup(0, nv, gemm2, true)
+                                                   : WgLookup(v, nv, gemm2);
           if (cudaError_t err = cudaFuncSetAttribute(
                   e.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, e.smem);
               err != cudaSuccess) {
@@ -849,11 +1086,21 @@ cudaError_t LaunchWgmmaGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
   if (p.y_bf16 && (launch.gemm1 || !WgmmaStagesEpilogue(launch.variant))) {
     return cudaErrorInvalidValue;
   }
+  const bool persist = p.wg_claims != nullptr;
+  if (persist && (!WgmmaStagesEpilogue(launch.variant) || p.wg_starts == nullptr ||
+                  p.wg_items == nullptr || p.l2_ahead_tiles != 0)) {
+    return cudaErrorInvalidValue;
+  }
   const WgLaunchEntry e = WgLookup(launch.variant, launch.format == Fp4Format::kNvfp4 ? 1 : 0,
-                                   launch.gemm1 ? 0 : 1);
+                                   launch.gemm1 ? 0 : 1, persist);
   const int64_t row_blocks = (rows + e.rows - 1) / e.rows;
-  const int64_t blocks = row_blocks * launch.num_items;
+  int64_t blocks = row_blocks * launch.num_items;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  if (persist) {
+    int sms = 0;
+    if (cudaError_t err = MultiprocessorCount(&sms); err != cudaSuccess) return err;
+    blocks = std::min<int64_t>(blocks, static_cast<int64_t>(sms) * kWgWidthClasses);
+  }
   ExpertGemmParams q = p;
   if (q.l2_ahead_tiles < 0) {  // one resident CTA per SM (its shared memory and registers)
     if (cudaError_t err = MultiprocessorCount(&q.l2_ahead_tiles); err != cudaSuccess) return err;

@@ -89,6 +89,12 @@ struct ExpertPrologueParams {
   int32_t* slot_route = nullptr;   // [routes] y row of each grouped slot: t*K+k or T*K + s*T + t
   ExpertItem* items = nullptr;     // [>= number of items]
   int32_t* num_items = nullptr;    // [1]
+  // The persistent wgmma schedule (ExpertGemmParams::wg_claims), or null: the items again in
+  // wg_items, grouped by wgmma width class (WgmmaWidthClass; order inside a class unspecified),
+  // and wg_sched [kWgSchedWords]: the classes' first positions in wg_items, and both GEMMs' claim
+  // counters set to zero.
+  int32_t* wg_sched = nullptr;
+  ExpertItem* wg_items = nullptr;  // [>= number of items]
 };
 
 // Shared smem-bounded limit of the grouping block (counts, offsets, cursors per slot).
@@ -139,6 +145,17 @@ struct ExpertGemmParams {
   // wait; GEMM1: as the start), its first chunk's B stage ready, its main loop done, its end,
   // its wgmma groups drained (the epilogue's first barrier), its tile staged in shared memory.
   unsigned long long* wg_trace = nullptr;
+  // The wgmma kernel's variant 0, persistent (set by the runner when the prologue wrote the
+  // schedule: ExpertPrologueParams::wg_sched): this GEMM's claim counters (kWgWidthClasses
+  // words, zero at launch), the classes' starts and the items grouped by class. A CTA claims
+  // tiles of one width class (c * row blocks + row block of its class's items) until the class
+  // runs out, loading each next tile's weights during the current tile's epilogue; the grid is
+  // one wave per class and one more (a CTA leaves only when its class is out, at most one per SM
+  // and class). Null: one tile per CTA (blockIdx.x). With wg_trace, the records are indexed by
+  // the tile's position in this order instead of blockIdx.x.
+  int32_t* wg_claims = nullptr;
+  const int32_t* wg_starts = nullptr;
+  const ExpertItem* wg_items = nullptr;
   const int32_t* slot_route = nullptr;  // GEMM2: y row of each slot
   // Direct routes (no grouping; for batches where no expert slot has more than one route): when
   // direct_ids is set, item i is route i of the y rows (t*K+k, then T*K + s*T + t for shared
@@ -240,6 +257,21 @@ inline constexpr int kAutoGemmVariant = -1;
 // slots of a 4096-token batch of problems A and B had a few-token second item, a whole weight pass).
 inline constexpr int kWgmmaTokenGroups = 18;
 inline constexpr int kWgTraceWords = 8;  // ExpertGemmParams::wg_trace words per CTA
+// Width classes of the wgmma kernel: an item of `count` tokens (1..144) runs the body of width
+// WgmmaClassWidth(WgmmaWidthClass(count)), class 0 the widest.
+inline constexpr int kWgWidthClasses = 9;
+constexpr int WgmmaWidthClass(int count) {
+  return count > 96 ? 18 - (count + 7) / 8 : count > 64 ? 6 : count > 32 ? 7 : 8;
+}
+constexpr int WgmmaClassWidth(int width_class) {
+  return width_class <= 6 ? 144 - 8 * width_class : width_class == 7 ? 64 : 32;
+}
+// ExpertPrologueParams::wg_sched words: [kWgSchedClaims + 16 g + c] the claim counter of GEMM
+// g + 1 for class c; [kWgSchedStarts + c] the first position of class c in wg_items (c = 0 ..
+// kWgWidthClasses; the last is the item count).
+inline constexpr int kWgSchedClaims = 0;
+inline constexpr int kWgSchedStarts = 32;
+inline constexpr int kWgSchedWords = 48;
 // The wgmma variants whose epilogue goes through shared memory (all but the measured-only 1 and
 // 2, whose ring leaves no room for the tile): only these write BF16 y (ExpertGemmParams::y_bf16).
 inline bool WgmmaStagesEpilogue(int variant) { return variant != 1 && variant != 2; }

@@ -109,6 +109,42 @@ __device__ __forceinline__ void ForEachRoute(const int32_t* ids, int32_t routes,
   }
 }
 
+// The persistent wgmma schedule (ExpertPrologueParams::wg_sched): the items again, grouped by
+// width class (a class's order comes from shared-memory atomics), the classes' starts, and both
+// GEMMs' claim counters zeroed. Called by the whole block that cut the items.
+__device__ void WriteWidthSchedule(const ExpertPrologueParams& p, const int32_t* count,
+                                   const int32_t* offset, int slots) {
+  __shared__ int32_t cursor[kWgWidthClasses];
+  const int tid = threadIdx.x;
+  const auto for_each_item = [&](auto&& f) {
+    for (int e = tid; e < slots; e += kThreads) {
+      const int n = count[e];
+      for (int done = 0; done < n; done += p.tile_tokens) {
+        f(ExpertItem{e, offset[e] + done, min(p.tile_tokens, n - done), 0});
+      }
+    }
+  };
+  if (tid < kWgWidthClasses) cursor[tid] = 0;
+  __syncthreads();
+  for_each_item([&](const ExpertItem& it) { atomicAdd(&cursor[WgmmaWidthClass(it.count)], 1); });
+  __syncthreads();
+  if (tid == 0) {
+    int run = 0;
+    for (int c = 0; c < kWgWidthClasses; ++c) {
+      const int n = cursor[c];
+      p.wg_sched[kWgSchedStarts + c] = run;
+      cursor[c] = run;
+      run += n;
+    }
+    p.wg_sched[kWgSchedStarts + kWgWidthClasses] = run;
+  }
+  if (tid < 2 * 16) p.wg_sched[kWgSchedClaims + tid] = 0;
+  __syncthreads();
+  for_each_item([&](const ExpertItem& it) {
+    p.wg_items[atomicAdd(&cursor[WgmmaWidthClass(it.count)], 1)] = it;
+  });
+}
+
 // Block b of the G grouping blocks: counts its share of the routes (and of the tokens, for the
 // shared experts), then, once every block's counts are in, scatters that share. With G = 1 the
 // block does everything in shared memory. With G > 1 (group_scratch set) the last block to
@@ -181,6 +217,7 @@ __device__ void GroupRoutes(const ExpertPrologueParams& p, int b, int G) {
       }
       if (G > 1) slot_offset[e] = offset[e];
     }
+    if (p.wg_sched != nullptr) WriteWidthSchedule(p, count, offset, slots);
     if (G > 1) {
       __threadfence();
       __syncthreads();

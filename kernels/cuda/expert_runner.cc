@@ -233,6 +233,8 @@ absl::Status ExpertRunner::Reserve(const DeviceExpertLayer& layer, const RoutePl
       {items_, static_cast<size_t>(std::max<int64_t>(
                    round_item_grid_ ? RoundedItemGrid(plan.num_items) : plan.num_items, 1)) *
                    sizeof(ExpertItem)},
+      {wg_items_, static_cast<size_t>(std::max<int64_t>(plan.num_items, 1)) * sizeof(ExpertItem)},
+      {wg_sched_, kWgSchedWords * sizeof(int32_t)},
       {num_items_, 4},
       // Direct routes use one act row per y row.
       {act_, std::max<size_t>(routes, static_cast<size_t>(std::max<int64_t>(plan.y_rows, 1))) *
@@ -353,6 +355,9 @@ ExpertRunner::Decisions ExpertRunner::Decide(const DeviceExpertLayer& layer,
                       layer.hidden == layer.hidden_chunks * 64 &&
                       reinterpret_cast<uintptr_t>(batch.hidden) % 16 == 0;
   d.l2_ahead = d.wgmma && wgmma_l2_ahead_ && WgmmaStagesEpilogue(d.variant);
+  d.persistent = d.wgmma && !d.l2_ahead && WgmmaStagesEpilogue(d.variant) &&
+                 (wgmma_persistent_ == kPersistentOn ||
+                  (wgmma_persistent_ == kPersistentAuto && layer.format == Fp4Format::kNvfp4));
   if (fused_layer_ != kFusedLayerOff && !layer_unavailable_ && variant_ == kAutoGemmVariant &&
       d.direct && d.fold) {
     const int routes = ExpertLayerRoutes(static_cast<int>(plan.tokens),
@@ -403,7 +408,8 @@ std::string ExpertRunner::ShapeKey(const DeviceExpertLayer& layer, const DeviceB
   const Decisions d = Decide(layer, batch, plan);
   return absl::StrCat(reinterpret_cast<uintptr_t>(&layer), ":", plan.tokens, ":", plan.top_k,
                       ":", plan.num_shared, ":", d.plan.token_groups, ":", d.variant, ":",
-                      d.wgmma, d.few, d.direct, d.fold, d.hidden_in_place, d.l2_ahead, d.layer,
+                      d.wgmma, d.few, d.direct, d.fold, d.hidden_in_place, d.l2_ahead,
+                      d.persistent, d.layer,
                       ":", d.ready_target, ":", d.acc_scale, ":",
                       d.grid_items, ":", batch.hidden_bf16, batch.out_bf16,
                       batch.shared_mask != nullptr);
@@ -442,6 +448,10 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   pro.group_scratch = group_scratch_.as<int32_t>();
   pro.num_items = num_items_.as<int32_t>();
   pro.natural_order = wgmma;
+  if (d.persistent) {
+    pro.wg_sched = wg_sched_.as<int32_t>();
+    pro.wg_items = wg_items_.as<ExpertItem>();
+  }
   if (d.layer) {
     pro.zero_words = ready_.as<int32_t>();
     pro.zero_word_count = ExpertLayerRoutes(pro.tokens, pro.top_k, plan.num_shared);
@@ -533,6 +543,12 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   g2.y_out = y_.as<float>();
   g2.y_bf16 = wgmma && y_bf16_ && WgmmaStagesEpilogue(variant);
   g2.l2_ahead_tiles = g1.l2_ahead_tiles;
+  if (d.persistent) {
+    g1.wg_claims = pro.wg_sched + kWgSchedClaims;
+    g2.wg_claims = pro.wg_sched + kWgSchedClaims + 16;
+    g1.wg_starts = g2.wg_starts = pro.wg_sched + kWgSchedStarts;
+    g1.wg_items = g2.wg_items = pro.wg_items;
+  }
   if (wgmma && wgmma_trace_ != nullptr) {
     g1.wg_trace = wgmma_trace_;
     g2.wg_trace = wgmma_trace_ + wgmma_trace_gemm2_;

@@ -176,6 +176,17 @@ class ExpertRunner {
   // Off by default, a bench knob: measured 3.5% slower at problem C 512 (249.5 vs 241.0 us) and
   // within the noise at A 4096 / 8192 (NOTES-cuda.md).
   void set_wgmma_l2_ahead(bool on) { wgmma_l2_ahead_ = on; }
+  // Batches on the wgmma kernel's variant 0 (without L2 ahead): persistent CTAs that claim tiles
+  // of one width class and load the next tile's first weight stages during the current tile's
+  // epilogue (ExpertGemmParams::wg_claims; the prologue writes the schedule). kPersistentAuto
+  // (the default): NVFP4 layers only. H200, A-B-A pairs at the power cap (NOTES-cuda.md):
+  // problem B 4096 2.2-3.5% faster; problem A (MXFP4) 4096 0-1.9% and 8192 3.4-4.5% slower
+  // (there an expert's two items are far apart in the class order, so its weights leave L2
+  // between them). kPersistentOn / kPersistentOff: every such batch / none.
+  static constexpr int kPersistentAuto = -1;
+  static constexpr int kPersistentOff = 0;
+  static constexpr int kPersistentOn = 1;
+  void set_wgmma_persistent(int mode) { wgmma_persistent_ = mode; }
   // Direct-route batches (the combine folded, the variant chosen per batch) may run as one fused
   // layer kernel (expert_kernels.h ExpertLayerParams) where it fits: kFusedLayerAuto (the
   // default) when GEMM1's K has at least kFusedLayerMinChunks chunks and the batch's routes
@@ -217,7 +228,8 @@ class ExpertRunner {
   // SM), or null. Not for stream capture.
   void set_layer_trace(unsigned long long* trace) { layer_trace_ = trace; }
   // Benchmark aid: ExpertGemmParams::wg_trace of the wgmma kernel's GEMM1 (at `trace`) and GEMM2
-  // (at trace + gemm2_offset words), or null. Device memory of kWgTraceWords words per CTA.
+  // (at trace + gemm2_offset words), or null. Device memory of kWgTraceWords words per CTA (per
+  // tile with persistent CTAs).
   void set_wgmma_trace(unsigned long long* trace, int64_t gemm2_offset) {
     wgmma_trace_ = trace;
     wgmma_trace_gemm2_ = gemm2_offset;
@@ -234,6 +246,7 @@ class ExpertRunner {
     bool fold = false;
     bool hidden_in_place = false;
     bool l2_ahead = false;
+    bool persistent = false;  // the wgmma kernel's persistent CTAs (set_wgmma_persistent)
     bool layer = false;  // the fused layer kernel (LaunchExpertLayer)
     bool acc_scale = false;  // ExpertGemmParams::acc_scale for both GEMMs
     int64_t ready_target = 0;  // > 0: item_ready with this GEMM2 target (GemmItemReadyCount)
@@ -259,6 +272,7 @@ class ExpertRunner {
   bool hidden_in_place_ = true;
   bool y_bf16_ = true;
   bool wgmma_l2_ahead_ = false;
+  int wgmma_persistent_ = kPersistentAuto;
   int item_ready_mode_ = kItemReadyAuto;
   bool acc_scale_ = false;
   int fused_layer_ = kFusedLayerAuto;
@@ -275,6 +289,8 @@ class ExpertRunner {
   DeviceBuffer slot_token_;
   DeviceBuffer slot_route_;
   DeviceBuffer items_;
+  DeviceBuffer wg_items_;  // ExpertPrologueParams::wg_items
+  DeviceBuffer wg_sched_;  // ExpertPrologueParams::wg_sched
   DeviceBuffer num_items_;
   DeviceBuffer act_;
   DeviceBuffer y_;

@@ -51,6 +51,7 @@ struct BackendCase {
   int fused_layer = -1;       // CudaBackendOptions::fused_layer (the per-batch default only)
   int item_ready = 1;         // CudaBackendOptions::item_ready
   bool acc_scale = false;     // CudaBackendOptions::acc_scale
+  int persistent = -1;        // CudaBackendOptions::wgmma_persistent
 };
 const BackendCase kBackendCases[] = {
     {0, true, 0},  {1, true, 0},  {2, true, 0},  {3, true, 0},        {4, true, 0},
@@ -65,7 +66,11 @@ const BackendCase kBackendCases[] = {
     // The defaults with the fused layer kernel for every direct batch that fits.
     {-1, true, -1, -1, false, true, false, 1},
     // The defaults with GEMM2 waiting for the whole GEMM1 grid instead of per item.
-    {-1, true, -1, -1, false, true, false, -1, 0}};
+    {-1, true, -1, -1, false, true, false, -1, 0},
+    // wgmma variant 0 with persistent CTAs for every format, and with one tile per CTA for every
+    // format (the default: persistent for NVFP4 only).
+    {0, true, 1, -1, false, true, false, -1, 1, false, 1},
+    {0, true, 1, -1, false, true, false, -1, 1, false, 0}};
 
 struct LayerCase {
   std::string name;
@@ -242,7 +247,7 @@ class ExpertsCudaTest : public ::testing::TestWithParam<LayerCase> {
   void SetUp() override {
     std::string why;
     if (cuda::DeviceCount(&why) == 0) GTEST_SKIP() << why;
-    static_assert(sizeof(kBackendCases) / sizeof(kBackendCases[0]) == kGemmVariants + 13);
+    static_assert(sizeof(kBackendCases) / sizeof(kBackendCases[0]) == kGemmVariants + 15);
     for (const BackendCase& bc : kBackendCases) {
       CudaBackendOptions options;
       options.poison_scratch = true;
@@ -256,6 +261,7 @@ class ExpertsCudaTest : public ::testing::TestWithParam<LayerCase> {
       options.fused_layer = bc.fused_layer;
       options.item_ready = bc.item_ready;
       options.acc_scale = bc.acc_scale;
+      options.wgmma_persistent = bc.persistent;
       absl::StatusOr<std::unique_ptr<ExpertBackend>> b = MakeCudaExpertBackend(options);
       ASSERT_TRUE(b.ok()) << b.status();
       backends_.push_back(*std::move(b));
@@ -319,6 +325,8 @@ TEST_P(ExpertsCudaTest, MatchesReference) {
                   : kBackendCases[variant].fused_layer == 1 ? "F"
                   : kBackendCases[variant].item_ready == 0 ? "W"
                   : kBackendCases[variant].acc_scale      ? "s"
+                  : kBackendCases[variant].persistent == 1 ? "P"
+                  : kBackendCases[variant].persistent == 0 ? "n"
                                                         : "",
                   static_cast<long long>(tokens), rel,
                   static_cast<long long>(nans), static_cast<unsigned long long>(seed));
