@@ -109,39 +109,82 @@ __device__ __forceinline__ void ForEachRoute(const int32_t* ids, int32_t routes,
   }
 }
 
+// Item i of a slot with n tokens cut into items of at most `tile`: whole tiles then the rest,
+// or (even) ceil(n / tile) items whose sizes differ by at most one, so that a slot's items share
+// a wgmma width class and sit side by side in the persistent schedule (their weights then come
+// from L2 for all but the first).
+__device__ __forceinline__ ExpertItem SlotItem(int e, int offset, int n, int i, int tile,
+                                               bool even) {
+  if (!even) return ExpertItem{e, offset + i * tile, min(tile, n - i * tile), 0};
+  const int k = (n + tile - 1) / tile;
+  const int begin = i * n / k, end = (i + 1) * n / k;
+  return ExpertItem{e, offset + begin, end - begin, 0};
+}
+
 // The persistent wgmma schedule (ExpertPrologueParams::wg_sched): the items again, grouped by
-// width class (a class's order comes from shared-memory atomics), the classes' starts, and both
-// GEMMs' claim counters zeroed. Called by the whole block that cut the items.
+// width class and in slot order inside a class (a stable partition: each thread counts the
+// classes of a contiguous range of slots, then a block-wide scan per class), the classes'
+// starts, and both GEMMs' claim counters zeroed. Called by the whole block that cut the items.
 __device__ void WriteWidthSchedule(const ExpertPrologueParams& p, const int32_t* count,
                                    const int32_t* offset, int slots) {
-  __shared__ int32_t cursor[kWgWidthClasses];
-  const int tid = threadIdx.x;
+  constexpr int C = kWgWidthClasses;
+  __shared__ int32_t warp_base[kWarps][C];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int per = (slots + kThreads - 1) / kThreads;
+  const int e0 = min(slots, tid * per), e1 = min(slots, e0 + per);
   const auto for_each_item = [&](auto&& f) {
-    for (int e = tid; e < slots; e += kThreads) {
+    for (int e = e0; e < e1; ++e) {
       const int n = count[e];
-      for (int done = 0; done < n; done += p.tile_tokens) {
-        f(ExpertItem{e, offset[e] + done, min(p.tile_tokens, n - done), 0});
+      for (int i = 0; i * p.tile_tokens < n; ++i) {
+        f(SlotItem(e, offset[e], n, i, p.tile_tokens, true));
       }
     }
   };
-  if (tid < kWgWidthClasses) cursor[tid] = 0;
-  __syncthreads();
-  for_each_item([&](const ExpertItem& it) { atomicAdd(&cursor[WgmmaWidthClass(it.count)], 1); });
+  int local[C], before[C];
+#pragma unroll
+  for (int c = 0; c < C; ++c) local[c] = 0;
+  for_each_item([&](const ExpertItem& it) {
+    const int cls = WgmmaWidthClass(it.count);
+#pragma unroll
+    for (int c = 0; c < C; ++c) local[c] += c == cls ? 1 : 0;
+  });
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    int v = local[c];
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int up = __shfl_up_sync(0xffffffffu, v, d);
+      if (lane >= d) v += up;
+    }
+    before[c] = v - local[c];  // this thread's exclusive prefix inside its warp
+    if (lane == 31) warp_base[warp][c] = v;
+  }
   __syncthreads();
   if (tid == 0) {
     int run = 0;
-    for (int c = 0; c < kWgWidthClasses; ++c) {
-      const int n = cursor[c];
+    for (int c = 0; c < C; ++c) {
       p.wg_sched[kWgSchedStarts + c] = run;
-      cursor[c] = run;
-      run += n;
+      for (int w = 0; w < kWarps; ++w) {
+        const int t = warp_base[w][c];
+        warp_base[w][c] = run;
+        run += t;
+      }
     }
-    p.wg_sched[kWgSchedStarts + kWgWidthClasses] = run;
+    p.wg_sched[kWgSchedStarts + C] = run;
   }
   if (tid < 2 * 16) p.wg_sched[kWgSchedClaims + tid] = 0;
   __syncthreads();
+  int cursor[C];
+#pragma unroll
+  for (int c = 0; c < C; ++c) cursor[c] = warp_base[warp][c] + before[c];
   for_each_item([&](const ExpertItem& it) {
-    p.wg_items[atomicAdd(&cursor[WgmmaWidthClass(it.count)], 1)] = it;
+    const int cls = WgmmaWidthClass(it.count);
+    int pos = 0;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      if (c == cls) pos = cursor[c]++;
+    }
+    p.wg_items[pos] = it;
   });
 }
 
@@ -211,9 +254,9 @@ __device__ void GroupRoutes(const ExpertPrologueParams& p, int b, int G) {
     __syncthreads();
     for (int e = tid; e < slots; e += kThreads) {
       const int n = count[e];
-      for (int i = 0, done = 0; done < n; ++i, done += p.tile_tokens) {
+      for (int i = 0; i * p.tile_tokens < n; ++i) {
         p.items[item_offset[e] + i] =
-            ExpertItem{e, offset[e] + done, min(p.tile_tokens, n - done), 0};
+            SlotItem(e, offset[e], n, i, p.tile_tokens, p.wg_sched != nullptr);
       }
       if (G > 1) slot_offset[e] = offset[e];
     }
