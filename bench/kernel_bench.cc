@@ -49,7 +49,7 @@ ABSL_FLAG(std::string, extras, "",
           "comma-separated names of the extra configurations to time (empty: all), the wgmma "
           "points' ones included (mma_sync_no_wgmma, wgmma_variant1, wgmma_variant2, "
           "wgmma_hidden_staged, wgmma_y_f32, wgmma_l2_ahead, wgmma_persistent, "
-          "wgmma_not_persistent, default_again, wgmma_staged_y_f32); a name "
+          "wgmma_not_persistent, wgmma_even_items, default_again, wgmma_staged_y_f32); a name "
           "that matches none (e.g. none) times none");
 ABSL_FLAG(std::string, backend_tokens, "",
           "comma-separated token counts at which to also time CudaExpertBackend::Run from host "
@@ -615,6 +615,11 @@ int Main() {
         runner.set_wgmma_persistent(cuda::ExpertRunner::kPersistentOff);
         time_with_stages("wgmma_not_persistent");
         runner.set_wgmma_persistent(cuda::ExpertRunner::kPersistentAuto);
+      }
+      if (is_wanted("wgmma_even_items")) {  // every wgmma batch (set_even_items)
+        runner.set_even_items(cuda::ExpertRunner::kPersistentOn);
+        time_with_stages("wgmma_even_items");
+        runner.set_even_items(cuda::ExpertRunner::kPersistentAuto);
       }
       // The default again after the extras above: with the main line, an A-B-A pair that cancels
       // a steady drift of the clock (the power cap) between them.

@@ -95,6 +95,9 @@ struct ExpertPrologueParams {
   // counters set to zero.
   int32_t* wg_sched = nullptr;
   ExpertItem* wg_items = nullptr;  // [>= number of items]
+  // Cut a slot's tokens into ceil(n / tile_tokens) items whose sizes differ by at most one
+  // instead of whole tiles and the rest (e.g. 128 + 128 instead of 144 + 112).
+  bool even_items = false;
 };
 
 // Shared smem-bounded limit of the grouping block (counts, offsets, cursors per slot).

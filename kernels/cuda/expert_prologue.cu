@@ -110,9 +110,9 @@ __device__ __forceinline__ void ForEachRoute(const int32_t* ids, int32_t routes,
 }
 
 // Item i of a slot with n tokens cut into items of at most `tile`: whole tiles then the rest,
-// or (even) ceil(n / tile) items whose sizes differ by at most one, so that a slot's items share
-// a wgmma width class and sit side by side in the persistent schedule (their weights then come
-// from L2 for all but the first).
+// or (ExpertPrologueParams::even_items) ceil(n / tile) items whose sizes differ by at most one,
+// so that a slot's items share a wgmma width class and sit side by side in the persistent
+// schedule (their weights then come from L2 for all but the first).
 __device__ __forceinline__ ExpertItem SlotItem(int e, int offset, int n, int i, int tile,
                                                bool even) {
   if (!even) return ExpertItem{e, offset + i * tile, min(tile, n - i * tile), 0};
@@ -136,7 +136,7 @@ __device__ void WriteWidthSchedule(const ExpertPrologueParams& p, const int32_t*
     for (int e = e0; e < e1; ++e) {
       const int n = count[e];
       for (int i = 0; i * p.tile_tokens < n; ++i) {
-        f(SlotItem(e, offset[e], n, i, p.tile_tokens, true));
+        f(SlotItem(e, offset[e], n, i, p.tile_tokens, p.even_items));
       }
     }
   };
@@ -256,7 +256,7 @@ __device__ void GroupRoutes(const ExpertPrologueParams& p, int b, int G) {
       const int n = count[e];
       for (int i = 0; i * p.tile_tokens < n; ++i) {
         p.items[item_offset[e] + i] =
-            SlotItem(e, offset[e], n, i, p.tile_tokens, p.wg_sched != nullptr);
+            SlotItem(e, offset[e], n, i, p.tile_tokens, p.even_items);
       }
       if (G > 1) slot_offset[e] = offset[e];
     }

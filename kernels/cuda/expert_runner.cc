@@ -358,6 +358,8 @@ ExpertRunner::Decisions ExpertRunner::Decide(const DeviceExpertLayer& layer,
   d.persistent = d.wgmma && !d.l2_ahead && WgmmaStagesEpilogue(d.variant) &&
                  (wgmma_persistent_ == kPersistentOn ||
                   (wgmma_persistent_ == kPersistentAuto && layer.format == Fp4Format::kNvfp4));
+  d.even_items = d.wgmma && (even_items_ == kPersistentOn ||
+                             (even_items_ == kPersistentAuto && d.persistent));
   if (fused_layer_ != kFusedLayerOff && !layer_unavailable_ && variant_ == kAutoGemmVariant &&
       d.direct && d.fold) {
     const int routes = ExpertLayerRoutes(static_cast<int>(plan.tokens),
@@ -409,7 +411,7 @@ std::string ExpertRunner::ShapeKey(const DeviceExpertLayer& layer, const DeviceB
   return absl::StrCat(reinterpret_cast<uintptr_t>(&layer), ":", plan.tokens, ":", plan.top_k,
                       ":", plan.num_shared, ":", d.plan.token_groups, ":", d.variant, ":",
                       d.wgmma, d.few, d.direct, d.fold, d.hidden_in_place, d.l2_ahead,
-                      d.persistent, d.layer,
+                      d.persistent, d.even_items, d.layer,
                       ":", d.ready_target, ":", d.acc_scale, ":",
                       d.grid_items, ":", batch.hidden_bf16, batch.out_bf16,
                       batch.shared_mask != nullptr);
@@ -452,6 +454,7 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
     pro.wg_sched = wg_sched_.as<int32_t>();
     pro.wg_items = wg_items_.as<ExpertItem>();
   }
+  pro.even_items = d.even_items;
   if (d.layer) {
     pro.zero_words = ready_.as<int32_t>();
     pro.zero_word_count = ExpertLayerRoutes(pro.tokens, pro.top_k, plan.num_shared);
