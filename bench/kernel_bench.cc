@@ -45,6 +45,12 @@ ABSL_FLAG(std::string, commit, "unknown", "commit the binary was built from");
 ABSL_FLAG(int, check_tokens, 8, "token count checked against the CPU reference (0: none)");
 ABSL_FLAG(int, variant, -1,
           "GEMM variant of the main measurement (-1: the runner's per-batch choice)");
+ABSL_FLAG(int, wgmma_persistent, -1,
+          "persistent wgmma CTAs for the main measurement (ExpertRunner::set_wgmma_persistent: "
+          "-1 the runner's default, 1 on, 0 off)");
+ABSL_FLAG(int, even_items, -1,
+          "even item cut for the main measurement (ExpertRunner::set_even_items: -1 the "
+          "runner's default, 1 every wgmma batch, 0 none)");
 ABSL_FLAG(std::string, extras, "",
           "comma-separated names of the extra configurations to time (empty: all), the wgmma "
           "points' ones included (mma_sync_no_wgmma, wgmma_variant1, wgmma_variant2, "
@@ -507,6 +513,8 @@ int Main() {
   nlohmann::json points = nlohmann::json::array();
   cuda::ExpertRunner runner;
   runner.set_gemm_variant(absl::GetFlag(FLAGS_variant));
+  runner.set_wgmma_persistent(absl::GetFlag(FLAGS_wgmma_persistent));
+  runner.set_even_items(absl::GetFlag(FLAGS_even_items));
   for (absl::string_view field : absl::StrSplit(absl::GetFlag(FLAGS_tokens), ',')) {
     const int64_t tokens = std::stoll(std::string(field));
     // Routing seeded per token count: a point's batches do not depend on which other points the
@@ -609,17 +617,17 @@ int Main() {
       if (is_wanted("wgmma_persistent")) {
         runner.set_wgmma_persistent(cuda::ExpertRunner::kPersistentOn);
         time_with_stages("wgmma_persistent");
-        runner.set_wgmma_persistent(cuda::ExpertRunner::kPersistentAuto);
+        runner.set_wgmma_persistent(absl::GetFlag(FLAGS_wgmma_persistent));
       }
       if (is_wanted("wgmma_not_persistent")) {
         runner.set_wgmma_persistent(cuda::ExpertRunner::kPersistentOff);
         time_with_stages("wgmma_not_persistent");
-        runner.set_wgmma_persistent(cuda::ExpertRunner::kPersistentAuto);
+        runner.set_wgmma_persistent(absl::GetFlag(FLAGS_wgmma_persistent));
       }
       if (is_wanted("wgmma_even_items")) {  // every wgmma batch (set_even_items)
         runner.set_even_items(cuda::ExpertRunner::kPersistentOn);
         time_with_stages("wgmma_even_items");
-        runner.set_even_items(cuda::ExpertRunner::kPersistentAuto);
+        runner.set_even_items(absl::GetFlag(FLAGS_even_items));
       }
       // The default again after the extras above: with the main line, an A-B-A pair that cancels
       // a steady drift of the clock (the power cap) between them.
