@@ -610,16 +610,21 @@ __device__ __forceinline__ void WgBody(const ExpertGemmParams& p, const ExpertIt
   WgFinish<kGemm1, MB, N>(p, item, tile_base, lane, acc);
 }
 
+// One claim from a persistent schedule's counter: a relaxed atomic add by the calling thread
+// alone (atomicAdd from one lane made the compiler emit warp-aggregation code around it).
+__device__ __forceinline__ int WgClaim(int32_t* counter) {
+  int c;
+  asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;\n"
+               : "=r"(c)
+               : "l"(counter)
+               : "memory");
+  return c;
+}
 // Persistent CTAs (ExpertGemmParams::wg_claims), thread 0: claims the next tile of the CTA's
 // class. The result is first used a chunk later (WgFetchNext), so the atomic's round trip
 // overlaps a chunk of the main loop.
 __device__ __forceinline__ int WgClaimNext(const ExpertGemmParams& p) {
-  int c;
-  asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;\n"
-               : "=r"(c)
-               : "l"(p.wg_claims + wg_class)
-               : "memory");
-  return c;
+  return WgClaim(p.wg_claims + wg_class);
 }
 // Thread 0: claim `c` becomes the next tile (its item copied by cp.async, in the caller's
 // group), or there is none.
@@ -678,15 +683,18 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, ExpertIte
   bool b_issued = false;  // this tile's B(0) and B(1) were issued in the last epilogue
   WgBLoader<N, Cfg::kThreads> loader;
 
+  // A tile's first weight stages (the ring's first SW - 2).
+  const auto load_first_weights = [&](const WgWLoader<Fmt, Cfg::kThreads>& w) {
+    for (int st = 0; st < SW - 2 && st < n; ++st) {
+      w.Load(code_base + st * kCodeStage, scale_base + st * kScaleStage, st);
+    }
+  };
+
   for (;;) {
     const int tile_base = row_block * Cfg::kCtaTiles + slot_base;
     WgWLoader<Fmt, Cfg::kThreads> wl;
     wl.Init(p, item, row_block);
-    if (!weights_issued) {
-      for (int st = 0; st < SW - 2 && st < n; ++st) {
-        wl.Load(code_base + st * kCodeStage, scale_base + st * kScaleStage, st);
-      }
-    }
+    if (!weights_issued) load_first_weights(wl);
     // L2 ahead: thread 0 (which wrote wg_tiles and wg_row_blocks) copies the item of the tile it
     // will prefetch for, in the cp.async group of B(0), so it is in shared memory by the
     // epilogue.
@@ -803,9 +811,7 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, ExpertIte
     const auto IssueFirstWeights = [&](const ExpertItem& it, int rb) {
       WgWLoader<Fmt, Cfg::kThreads> next_wl;
       next_wl.Init(p, it, rb);
-      for (int st = 0; st < SW - 2 && st < n; ++st) {
-        next_wl.Load(code_base + st * kCodeStage, scale_base + st * kScaleStage, st);
-      }
+      load_first_weights(next_wl);
       WgCpAsyncCommit();
     };
     b_issued = false;
@@ -926,9 +932,6 @@ __device__ __forceinline__ void WgDispatch(const ExpertGemmParams& p, const Expe
   }
 }
 
-// blockIdx.x = row block + row_blocks * item, as in the other GEMM kernels, and the same
-// programmatic launch protocol (GEMM1 waits first; GEMM2 issues its first weight loads, then
-// waits).
 // A persistent CTA's first tile: from the widest class with tiles left. Warp 0 reads every
 // class's start and claim count at once; lane 0 claims, trying the next open class when a claim
 // comes back past its class's end. False: no tile left (the whole CTA leaves).
@@ -946,12 +949,7 @@ __device__ __forceinline__ bool WgClaimFirst(const ExpertGemmParams& p, int row_
     int found = -1, c = 0;
     while (open != 0) {
       const int cls = __ffs(static_cast<int>(open)) - 1;
-      if (lane == 0) {
-        asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;\n"
-                     : "=r"(c)
-                     : "l"(p.wg_claims + cls)
-                     : "memory");
-      }
+      if (lane == 0) c = WgClaim(p.wg_claims + cls);
       c = __shfl_sync(0xffffffffu, c, 0);
       if (c < __shfl_sync(0xffffffffu, tiles, cls)) {
         found = cls;

@@ -90,8 +90,8 @@ struct ExpertPrologueParams {
   ExpertItem* items = nullptr;     // [>= number of items]
   int32_t* num_items = nullptr;    // [1]
   // The persistent wgmma schedule (ExpertGemmParams::wg_claims), or null: the items again in
-  // wg_items, grouped by wgmma width class (WgmmaWidthClass; order inside a class unspecified),
-  // and wg_sched [kWgSchedWords]: the classes' first positions in wg_items, and both GEMMs' claim
+  // wg_items, grouped by wgmma width class (WgmmaWidthClass; slot order inside a class), and
+  // wg_sched [kWgSchedWords]: the classes' first positions in wg_items, and both GEMMs' claim
   // counters set to zero.
   int32_t* wg_sched = nullptr;
   ExpertItem* wg_items = nullptr;  // [>= number of items]
@@ -153,8 +153,8 @@ struct ExpertGemmParams {
   // words, zero at launch), the classes' starts and the items grouped by class. A CTA claims
   // tiles of one width class (c * row blocks + row block of its class's items) until the class
   // runs out, loading each next tile's weights during the current tile's epilogue; the grid is
-  // one wave per class and one more (a CTA leaves only when its class is out, at most one per SM
-  // and class). Null: one tile per CTA (blockIdx.x). With wg_trace, the records are indexed by
+  // one wave per class (a CTA leaves only when its class is out, and a class's CTAs are all
+  // resident until then, one per SM). Null: one tile per CTA (blockIdx.x). With wg_trace, the records are indexed by
   // the tile's position in this order instead of blockIdx.x.
   int32_t* wg_claims = nullptr;
   const int32_t* wg_starts = nullptr;
@@ -269,12 +269,16 @@ constexpr int WgmmaWidthClass(int count) {
 constexpr int WgmmaClassWidth(int width_class) {
   return width_class <= 6 ? 144 - 8 * width_class : width_class == 7 ? 64 : 32;
 }
-// ExpertPrologueParams::wg_sched words: [kWgSchedClaims + 16 g + c] the claim counter of GEMM
-// g + 1 for class c; [kWgSchedStarts + c] the first position of class c in wg_items (c = 0 ..
-// kWgWidthClasses; the last is the item count).
+// ExpertPrologueParams::wg_sched words: [kWgSchedClaims + kWgSchedClaimStride g + c] the claim
+// counter of GEMM g + 1 for class c; [kWgSchedStarts + c] the first position of class c in
+// wg_items (c = 0 .. kWgWidthClasses; the last is the item count).
 inline constexpr int kWgSchedClaims = 0;
+inline constexpr int kWgSchedClaimStride = 16;
 inline constexpr int kWgSchedStarts = 32;
 inline constexpr int kWgSchedWords = 48;
+static_assert(kWgWidthClasses <= kWgSchedClaimStride &&
+              kWgSchedClaims + 2 * kWgSchedClaimStride <= kWgSchedStarts &&
+              kWgSchedStarts + kWgWidthClasses + 1 <= kWgSchedWords);
 // The wgmma variants whose epilogue goes through shared memory (all but the measured-only 1 and
 // 2, whose ring leaves no room for the tile): only these write BF16 y (ExpertGemmParams::y_bf16).
 inline bool WgmmaStagesEpilogue(int variant) { return variant != 1 && variant != 2; }

@@ -172,7 +172,7 @@ __device__ void WriteWidthSchedule(const ExpertPrologueParams& p, const int32_t*
     }
     p.wg_sched[kWgSchedStarts + C] = run;
   }
-  if (tid < 2 * 16) p.wg_sched[kWgSchedClaims + tid] = 0;
+  if (tid < 2 * kWgSchedClaimStride) p.wg_sched[kWgSchedClaims + tid] = 0;
   __syncthreads();
   int cursor[C];
 #pragma unroll

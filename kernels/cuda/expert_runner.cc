@@ -548,7 +548,7 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   g2.l2_ahead_tiles = g1.l2_ahead_tiles;
   if (d.persistent) {
     g1.wg_claims = pro.wg_sched + kWgSchedClaims;
-    g2.wg_claims = pro.wg_sched + kWgSchedClaims + 16;
+    g2.wg_claims = pro.wg_sched + kWgSchedClaims + kWgSchedClaimStride;
     g1.wg_starts = g2.wg_starts = pro.wg_sched + kWgSchedStarts;
     g1.wg_items = g2.wg_items = pro.wg_items;
   }

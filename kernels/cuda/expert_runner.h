@@ -180,9 +180,9 @@ class ExpertRunner {
   // of one width class and load the next tile's first weight stages during the current tile's
   // epilogue (ExpertGemmParams::wg_claims; the prologue writes the schedule). kPersistentAuto
   // (the default): NVFP4 layers only. H200, A-B-A pairs at the power cap (NOTES-cuda.md):
-  // problem B 4096 2.2-3.5% faster; problem A (MXFP4) 4096 0-1.9% and 8192 3.4-4.5% slower
-  // (there an expert's two items are far apart in the class order, so its weights leave L2
-  // between them). kPersistentOn / kPersistentOff: every such batch / none.
+  // problem B 4096 2.2-3.5% faster; problem A (MXFP4) 4096 0.1-1.9% and 8192 0.5-0.8% slower
+  // (3.4-4.5% before set_even_items kept an expert's items side by side).
+  // kPersistentOn / kPersistentOff: every such batch / none.
   static constexpr int kPersistentAuto = -1;
   static constexpr int kPersistentOff = 0;
   static constexpr int kPersistentOn = 1;
