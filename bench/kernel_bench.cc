@@ -48,9 +48,6 @@ ABSL_FLAG(int, variant, -1,
 ABSL_FLAG(int, wgmma_persistent, -1,
           "persistent wgmma CTAs for the main measurement (ExpertRunner::set_wgmma_persistent: "
           "-1 the runner's default, 1 on, 0 off)");
-ABSL_FLAG(int, wgmma_tma, -1,
-          "TMA loads in the one-tile-per-CTA wgmma kernel for the main measurement "
-          "(ExpertRunner::set_wgmma_tma: -1 the runner's default, 1 on, 0 cp.async)");
 ABSL_FLAG(int, even_items, -1,
           "even item cut for the main measurement (ExpertRunner::set_even_items: -1 the "
           "runner's default, 1 every wgmma batch, 0 none)");
@@ -58,8 +55,7 @@ ABSL_FLAG(std::string, extras, "",
           "comma-separated names of the extra configurations to time (empty: all), the wgmma "
           "points' ones included (mma_sync_no_wgmma, wgmma_variant1, wgmma_variant2, "
           "wgmma_hidden_staged, wgmma_y_f32, wgmma_l2_ahead, wgmma_persistent, "
-          "wgmma_not_persistent, wgmma_tma, wgmma_no_tma, wgmma_even_items, default_again, "
-          "wgmma_staged_y_f32); a name "
+          "wgmma_not_persistent, wgmma_even_items, default_again, wgmma_staged_y_f32); a name "
           "that matches none (e.g. none) times none");
 ABSL_FLAG(std::string, backend_tokens, "",
           "comma-separated token counts at which to also time CudaExpertBackend::Run from host "
@@ -518,7 +514,6 @@ int Main() {
   cuda::ExpertRunner runner;
   runner.set_gemm_variant(absl::GetFlag(FLAGS_variant));
   runner.set_wgmma_persistent(absl::GetFlag(FLAGS_wgmma_persistent));
-  runner.set_wgmma_tma(absl::GetFlag(FLAGS_wgmma_tma));
   runner.set_even_items(absl::GetFlag(FLAGS_even_items));
   for (absl::string_view field : absl::StrSplit(absl::GetFlag(FLAGS_tokens), ',')) {
     const int64_t tokens = std::stoll(std::string(field));
@@ -628,20 +623,6 @@ int Main() {
         runner.set_wgmma_persistent(cuda::ExpertRunner::kPersistentOff);
         time_with_stages("wgmma_not_persistent");
         runner.set_wgmma_persistent(absl::GetFlag(FLAGS_wgmma_persistent));
-      }
-      // One tile per CTA with TMA loads (persistent off, which the TMA form excludes), and the
-      // default with cp.async instead of TMA (set_wgmma_tma).
-      if (is_wanted("wgmma_tma")) {
-        runner.set_wgmma_persistent(cuda::ExpertRunner::kPersistentOff);
-        runner.set_wgmma_tma(cuda::ExpertRunner::kPersistentOn);
-        time_with_stages("wgmma_tma");
-        runner.set_wgmma_persistent(absl::GetFlag(FLAGS_wgmma_persistent));
-        runner.set_wgmma_tma(absl::GetFlag(FLAGS_wgmma_tma));
-      }
-      if (is_wanted("wgmma_no_tma")) {
-        runner.set_wgmma_tma(cuda::ExpertRunner::kPersistentOff);
-        time_with_stages("wgmma_no_tma");
-        runner.set_wgmma_tma(absl::GetFlag(FLAGS_wgmma_tma));
       }
       if (is_wanted("wgmma_even_items")) {  // every wgmma batch (set_even_items)
         runner.set_even_items(cuda::ExpertRunner::kPersistentOn);

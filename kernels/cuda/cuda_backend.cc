@@ -79,7 +79,6 @@ class CudaExpertBackend final : public ExpertBackend {
     runner_.set_y_bf16(options.wgmma_byte_savers);
     runner_.set_wgmma_l2_ahead(options.wgmma_l2_ahead);
     runner_.set_wgmma_persistent(options.wgmma_persistent);
-    runner_.set_wgmma_tma(options.wgmma_tma);
     runner_.set_fused_layer(options.fused_layer);
     runner_.set_item_ready(options.item_ready);
     runner_.set_acc_scale(options.acc_scale);

@@ -45,9 +45,6 @@ struct CudaBackendOptions {
   // wgmma batches: persistent CTAs per width class (ExpertRunner::set_wgmma_persistent: -1 where
   // measured faster (NVFP4 layers), 1 always, 0 never). Tests cover each.
   int wgmma_persistent = -1;
-  // wgmma batches with one tile per CTA: weights and B rows through TMA
-  // (ExpertRunner::set_wgmma_tma: 1 on, -1 and 0 cp.async). Tests cover both.
-  int wgmma_tma = -1;
   // Direct-route batches (e.g. one token) with the variant chosen per batch may run GEMM1, GEMM2
   // and the combine as one fused layer kernel (ExpertRunner::set_fused_layer: -1 where it
   // measured faster, i.e. long GEMM1 K and many weight bytes per SM, as DeepSeek-V3's layer at

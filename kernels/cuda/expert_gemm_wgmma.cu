@@ -23,15 +23,12 @@
 // dequantizes (one group per chunk serialized dequantization and MMA). Epilogues as the
 // mma.sync kernels: GEMM1 activation + biases (natural-order act rows), GEMM2 y rows; the NVFP4
 // global scales and the packing's exponent offset in ep_scale.
-#include <cuda.h>  // CUtensorMap and its enums (the driver is reached through the runtime)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
-#include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 #include "kernels/cuda/expert_gemm_stages.cuh"
@@ -119,33 +116,6 @@ __device__ __forceinline__ void WgmmaCommit() {
 template <int N>
 __device__ __forceinline__ void WgmmaWait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-
-// TMA (ExpertGemmParams::wg_tma): the tensor maps of one launch, kernel parameters. codes: uint32
-// [experts][tiles][chunks * 128], box 128 x 16 x 1 (one chunk of the CTA's 16 tiles, 8 KB);
-// scales: uint32 [experts][tiles][chunks * 8 (MXFP4) or 32 (NVFP4)], box one chunk x 16 x 1;
-// b: bf16 [rows][chunks * 64] with the 128-byte swizzle, box 64 x 1 (one token row of a chunk).
-struct WgTmaMaps {
-  CUtensorMap codes;
-  CUtensorMap scales;
-  CUtensorMap b;
-};
-
-__device__ __forceinline__ void TmaLoad2d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
-                                          uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-      "l"(map), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
-}
-__device__ __forceinline__ void TmaLoad3d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
-                                          int c2, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-      : "memory");
 }
 
 // Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row core groups 1024 bytes apart
@@ -426,12 +396,6 @@ __shared__ int32_t wg_next_row_block;
 __shared__ int32_t wg_next_record;
 __shared__ __align__(16) ExpertItem wg_next_item;
 __shared__ int32_t wg_record;
-// TMA (ExpertGemmParams::wg_tma): one mbarrier per B stage, then one per weight stage (variant
-// 0's rings), initialized by thread 0 at kernel start.
-constexpr int kWgBars = kWgBStagesW + kWgWStages;
-constexpr int kWgTmaBoxRows = 16;  // B rows per TMA box (GEMM2)
-static_assert(kWgMaxTokens % kWgTmaBoxRows == 0 && kWgMaxTokens / kWgTmaBoxRows + 2 <= 16);
-__shared__ __align__(8) uint64_t wg_bars[kWgBars];
 
 // ExpertGemmParams::wg_trace: thread 0 records word `k` of this CTA's tile (an SM id or a time):
 // record blockIdx.x, or in a persistent CTA the tile's position in the class order.
@@ -686,17 +650,9 @@ __device__ __forceinline__ void WgFetchNext(const ExpertGemmParams& p, int c) {
 // next chunk's group, so it is known when the wgmma groups drain; its first weight stages then
 // load while the epilogue runs (the weight ring is free, and the staged tile stays in the B
 // stages except for GEMM2's F32 y, which loads them after the epilogue instead).
-//
-// kTma (ExpertGemmParams::wg_tma; one tile per CTA): the same rings filled by TMA instead of
-// cp.async. Thread 0 copies a weight stage (the 16 tiles' codes and scales: two boxes) and sets
-// each B stage's expected bytes; thread t < item.count copies its token's row of the chunk (a
-// 128-byte box, swizzled by the TMA as wgmma reads it). Chunk i waits on the mbarriers of its B
-// and weight stages instead of cp.async groups; the CTA barrier stays (the refilled stages were
-// read in chunk i - 2).
-template <class Fmt, bool kGemm1, int V, int N, bool kPersist, bool kTma>
+template <class Fmt, bool kGemm1, int V, int N, bool kPersist>
 __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, ExpertItem item,
-                                            int row_block, uint32_t smem_base,
-                                            const WgTmaMaps* maps) {
+                                            int row_block, uint32_t smem_base) {
   using Cfg = WgConfig<V>;
   using Scale = typename Fmt::Scale;
   constexpr int MB = Cfg::kBlocks, SB = kWgBStagesW, SW = kWgWStages;
@@ -710,45 +666,11 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, ExpertIte
                 kWgMaxTokens * (kWgYPitchBf16 * 2 + 4) <= SB * kWgStageBytes);
   const uint32_t code_base = smem_base + SB * kWgStageBytes;
   const uint32_t scale_base = code_base + SW * kCodeStage;
-  static_assert(!(kTma && kPersist) && SB + SW == kWgBars);
-  // TMA: B stage s completes on bars + 8 s, weight stage s on bars + 8 (SB + s).
-  const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(wg_bars));
-  constexpr int kScaleWords = 8 * static_cast<int>(sizeof(Scale)) / 4;  // per tile and chunk
-  // TMA (every thread calls; one lane each issues): chunk c's weights of the CTA's 16 tiles into
-  // weight stage st, the codes by thread 0 (which posts the stage's bytes: its one arrival),
-  // the scales by thread 32. A copy issued per lane becomes a loop over the active lanes, so
-  // each copy has a warp of its own.
-  const auto tma_weights = [&](int st, int c) {
-    const uint32_t bar = bars + 8 * (SB + st);
-    if (threadIdx.x == 0) {
-      MbarrierArriveExpectTx(bar, kCodeStage + kScaleStage);
-      TmaLoad3d(code_base + st * kCodeStage, &maps->codes, c * 128, row_block * 16, item.expert,
-                bar);
-    } else if (threadIdx.x == 32) {
-      TmaLoad3d(scale_base + st * kScaleStage, &maps->scales, c * kScaleWords, row_block * 16,
-                item.expert, bar);
-    }
-  };
-  // TMA B (GEMM2, whose B rows are the item's slots, contiguous): chunk c of the item's rows
-  // into B stage st as boxes of kWgTmaBoxRows rows, box j issued by lane 0 of warp 2 + j (j = 0
-  // posts the stage's bytes); rows past the item's count come along (stale columns, unused).
-  const int b_boxes = (item.count + kWgTmaBoxRows - 1) / kWgTmaBoxRows;
-  const auto tma_b = [&](int st, int c) {
-    const int j = static_cast<int>(threadIdx.x >> 5) - 2;
-    if ((threadIdx.x & 31) == 0 && j >= 0 && j < b_boxes) {
-      const uint32_t bar = bars + 8 * st;
-      if (j == 0) MbarrierArriveExpectTx(bar, b_boxes * kWgTmaBoxRows * kWgRowBytes);
-      TmaLoad2d(smem_base + st * kWgStageBytes + j * kWgTmaBoxRows * kWgRowBytes, &maps->b,
-                c * kChunkK, item.slot_begin + j * kWgTmaBoxRows, bar);
-    }
-  };
-  uint32_t bpar = 0, wpar = 0;  // TMA: the phase parity of the next wait on a B / weight stage
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wg = warp >> 2, wq = warp & 3;
   const int g = lane >> 2;
   const int slot_base = wg * (MB * 4) + wq;  // + 4 b: block b's tile slot in the CTA
   const int n = p.chunks;
-  constexpr bool kTmaB = kTma && !kGemm1;  // GEMM1's B rows are gathered: cp.async
   // Persistent: the chunk whose refill step claims the next tile (its item follows a chunk
   // later, or after the loop when there is no later chunk).
   const int claim_at = n > 3 ? n - 3 : 0;
@@ -771,12 +693,8 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, ExpertIte
   for (;;) {
     const int tile_base = row_block * Cfg::kCtaTiles + slot_base;
     WgWLoader<Fmt, Cfg::kThreads> wl;
-    if constexpr (kTma) {
-      for (int st = 0; st < SW - 2 && st < n; ++st) tma_weights(st, st);
-    } else {
-      wl.Init(p, item, row_block);
-      if (!weights_issued) load_first_weights(wl);
-    }
+    wl.Init(p, item, row_block);
+    if (!weights_issued) load_first_weights(wl);
     // L2 ahead: thread 0 (which wrote wg_tiles and wg_row_blocks) copies the item of the tile it
     // will prefetch for, in the cp.async group of B(0), so it is in shared memory by the
     // epilogue.
@@ -794,20 +712,13 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, ExpertIte
     }
     WgTrace(p, 2);
     const int bstage0 = b_issued ? kActStages : 0;  // stage of B(0)
-    if constexpr (kTmaB) {
+    if (!b_issued) loader.Init(p, item);
 #pragma unroll
-      for (int st = 0; st < SB - 2; ++st) {
-        if (st < n) tma_b(st, st);
-      }
-    } else {
-      if (!b_issued) loader.Init(p, item);
-#pragma unroll
-      for (int st = 0; st < SB - 2; ++st) {
-        if (b_issued && st < 2) continue;  // committed in the last epilogue
-        const int stage = bstage0 + st < SB ? bstage0 + st : bstage0 + st - SB;
-        if (st < n) loader.Load(smem_base + stage * kWgStageBytes, st);
-        WgCpAsyncCommit();  // group st: B(st) (+ the weights above in group 0)
-      }
+    for (int st = 0; st < SB - 2; ++st) {
+      if (b_issued && st < 2) continue;  // committed in the last epilogue
+      const int stage = bstage0 + st < SB ? bstage0 + st : bstage0 + st - SB;
+      if (st < n) loader.Load(smem_base + stage * kWgStageBytes, st);
+      WgCpAsyncCommit();  // group st: B(st) (+ the weights above in group 0)
     }
 
     float acc[MB][N / 2];
@@ -816,11 +727,7 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, ExpertIte
     const uint64_t desc_base = SmemDescriptor(smem_base);
 
     if (p.wg_trace != nullptr) {  // the trace only: when the first chunk's stages have landed
-      if constexpr (kTmaB) {
-        MbarrierWait(bars, 0);
-      } else {
-        WgCpAsyncWait<SB - 3>();
-      }
+      WgCpAsyncWait<SB - 3>();
       __syncthreads();
       WgTrace(p, 3);
     }
@@ -828,40 +735,20 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, ExpertIte
     int claim = 0;
     // Chunk i; `hook` runs in its refill step, before the commit (thread 0's claim steps).
     const auto chunk = [&](int i, auto&& hook) {
+      WgCpAsyncWait<SB - 3>();
+      FenceProxyAsync();
+      __syncthreads();
       const int brefill = i + SB - 2;
       const int brefill_stage = bstage >= 2 ? bstage - 2 : bstage + SB - 2;
+      if (brefill < n) loader.Load(smem_base + brefill_stage * kWgStageBytes, brefill);
       const int wrefill = i + SW - 2;
       const int wrefill_stage = wstage >= 2 ? wstage - 2 : wstage + SW - 2;
-      if constexpr (kTma) {
-        if constexpr (kTmaB) {
-          MbarrierWait(bars + 8 * bstage, bpar);
-        } else {
-          WgCpAsyncWait<SB - 3>();
-          FenceProxyAsync();
-        }
-        MbarrierWait(bars + 8 * (SB + wstage), wpar);
-        __syncthreads();
-        if (brefill < n) {
-          if constexpr (kTmaB) {
-            tma_b(brefill_stage, brefill);
-          } else {
-            loader.Load(smem_base + brefill_stage * kWgStageBytes, brefill);
-          }
-        }
-        if (wrefill < n) tma_weights(wrefill_stage, wrefill);
-        if constexpr (!kTmaB) WgCpAsyncCommit();
-      } else {
-        WgCpAsyncWait<SB - 3>();
-        FenceProxyAsync();
-        __syncthreads();
-        if (brefill < n) loader.Load(smem_base + brefill_stage * kWgStageBytes, brefill);
-        if (wrefill < n) {
-          wl.Load(code_base + wrefill_stage * kCodeStage,
-                  scale_base + wrefill_stage * kScaleStage, wrefill);
-        }
-        hook();
-        WgCpAsyncCommit();
+      if (wrefill < n) {
+        wl.Load(code_base + wrefill_stage * kCodeStage, scale_base + wrefill_stage * kScaleStage,
+                wrefill);
       }
+      hook();
+      WgCpAsyncCommit();
       const uint64_t stage_desc = desc_base + bstage * (kWgStageBytes >> 4);
       const uint32_t code_stage = code_base + wstage * kCodeStage;
       const uint32_t scale_stage = scale_base + wstage * kScaleStage;
@@ -881,12 +768,6 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, ExpertIte
           WgStep<Fmt, N, kGroupsPerChunk>(v, sc, step, p.shift_mul, a[b][step], acc[b],
                                           stage_desc);
         }
-      }
-      if constexpr (kTmaB) {
-        if (bstage == SB - 1) bpar ^= 1u;
-      }
-      if constexpr (kTma) {
-        if (wstage == SW - 1) wpar ^= 1u;
       }
       bstage = bstage == SB - 1 ? 0 : bstage + 1;
       wstage = wstage == SW - 1 ? 0 : wstage + 1;
@@ -1003,13 +884,13 @@ __device__ __forceinline__ void WgBodySmemW(const ExpertGemmParams& p, ExpertIte
   }
 }
 
-template <class Fmt, bool kGemm1, int V, bool kPersist, bool kTma, int N>
+template <class Fmt, bool kGemm1, int V, bool kPersist, int N>
 __device__ __forceinline__ void WgRun(const ExpertGemmParams& p, const ExpertItem& item,
-                                      int row_block, uint32_t smem_base, const WgTmaMaps* maps) {
+                                      int row_block, uint32_t smem_base) {
   if constexpr (WgConfig<V>::kSmemWeights) {
-    WgBodySmemW<Fmt, kGemm1, V, N, kPersist, kTma>(p, item, row_block, smem_base, maps);
+    WgBodySmemW<Fmt, kGemm1, V, N, kPersist>(p, item, row_block, smem_base);
   } else {
-    static_assert(!kPersist && !kTma);
+    static_assert(!kPersist);
     WgBody<Fmt, kGemm1, V, N>(p, item, row_block, smem_base);
   }
 }
@@ -1027,28 +908,27 @@ static_assert(WgmmaWidthClass(144) == 0 && WgmmaWidthClass(137) == 0 &&
               WgmmaWidthClass(32) == 8 && WgmmaWidthClass(1) == 8 && WgmmaClassWidth(0) == 144 &&
               WgmmaClassWidth(5) == 104 && WgmmaClassWidth(6) == 96 && WgmmaClassWidth(8) == 32,
               "WgDispatch's widths");
-template <class Fmt, bool kGemm1, int V, bool kPersist, bool kTma>
+template <class Fmt, bool kGemm1, int V, bool kPersist>
 __device__ __forceinline__ void WgDispatch(const ExpertGemmParams& p, const ExpertItem& item,
-                                           int row_block, uint32_t smem_base,
-                                           const WgTmaMaps* maps) {
+                                           int row_block, uint32_t smem_base) {
   if (item.count <= 32) {
-    WgRun<Fmt, kGemm1, V, kPersist, kTma, 32>(p, item, row_block, smem_base, maps);
+    WgRun<Fmt, kGemm1, V, kPersist, 32>(p, item, row_block, smem_base);
   } else if (item.count <= 64) {
-    WgRun<Fmt, kGemm1, V, kPersist, kTma, 64>(p, item, row_block, smem_base, maps);
+    WgRun<Fmt, kGemm1, V, kPersist, 64>(p, item, row_block, smem_base);
   } else if (item.count <= 96) {
-    WgRun<Fmt, kGemm1, V, kPersist, kTma, 96>(p, item, row_block, smem_base, maps);
+    WgRun<Fmt, kGemm1, V, kPersist, 96>(p, item, row_block, smem_base);
   } else if (item.count <= 104) {
-    WgRun<Fmt, kGemm1, V, kPersist, kTma, 104>(p, item, row_block, smem_base, maps);
+    WgRun<Fmt, kGemm1, V, kPersist, 104>(p, item, row_block, smem_base);
   } else if (item.count <= 112) {
-    WgRun<Fmt, kGemm1, V, kPersist, kTma, 112>(p, item, row_block, smem_base, maps);
+    WgRun<Fmt, kGemm1, V, kPersist, 112>(p, item, row_block, smem_base);
   } else if (item.count <= 120) {
-    WgRun<Fmt, kGemm1, V, kPersist, kTma, 120>(p, item, row_block, smem_base, maps);
+    WgRun<Fmt, kGemm1, V, kPersist, 120>(p, item, row_block, smem_base);
   } else if (item.count <= 128) {
-    WgRun<Fmt, kGemm1, V, kPersist, kTma, 128>(p, item, row_block, smem_base, maps);
+    WgRun<Fmt, kGemm1, V, kPersist, 128>(p, item, row_block, smem_base);
   } else if (item.count <= 136) {
-    WgRun<Fmt, kGemm1, V, kPersist, kTma, 136>(p, item, row_block, smem_base, maps);
+    WgRun<Fmt, kGemm1, V, kPersist, 136>(p, item, row_block, smem_base);
   } else {
-    WgRun<Fmt, kGemm1, V, kPersist, kTma, 144>(p, item, row_block, smem_base, maps);
+    WgRun<Fmt, kGemm1, V, kPersist, 144>(p, item, row_block, smem_base);
   }
 }
 
@@ -1102,20 +982,9 @@ __device__ __forceinline__ bool WgClaimFirst(const ExpertGemmParams& p, int row_
 // blockIdx.x = row block + row_blocks * item, as in the other GEMM kernels, and the same
 // programmatic launch protocol (GEMM1 waits first; GEMM2 issues its first weight loads, then
 // waits). kPersist: tiles come from the width-class claim counters instead (WgClaimFirst).
-// kTma: thread 0 first initializes the stages' mbarriers (wg_bars).
-template <class Fmt, bool kGemm1, int V, bool kPersist, bool kTma>
+template <class Fmt, bool kGemm1, int V, bool kPersist>
 __global__ void __launch_bounds__(WgConfig<V>::kThreads, 1)
-    WgmmaGemmKernel(const ExpertGemmParams p, int row_blocks,
-                    const __grid_constant__ WgTmaMaps maps) {
-  if constexpr (kTma) {
-    if (threadIdx.x == 0) {
-      const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(wg_bars));
-#pragma unroll
-      for (int b = 0; b < kWgBars; ++b) MbarrierInit(bars + 8 * b, 1);
-      FenceMbarrierInit();
-    }
-    __syncthreads();
-  }
+    WgmmaGemmKernel(const ExpertGemmParams p, int row_blocks) {
   ExpertItem item;
   int row_block;
   if constexpr (kPersist) {
@@ -1133,10 +1002,10 @@ __global__ void __launch_bounds__(WgConfig<V>::kThreads, 1)
   }
   WgTrace(p, 0);
   WgTrace(p, 1);
-  WgDispatch<Fmt, kGemm1, V, kPersist, kTma>(p, item, row_block, WgSmemBase(), &maps);
+  WgDispatch<Fmt, kGemm1, V, kPersist>(p, item, row_block, WgSmemBase());
 }
 
-using WgKernel = void (*)(ExpertGemmParams, int, WgTmaMaps);
+using WgKernel = void (*)(ExpertGemmParams, int);
 // [variant][nvfp4][gemm2], and the persistent form of variant 0
 constexpr int kWgVariants = 3;
 struct WgLaunchEntry {
@@ -1145,23 +1014,21 @@ struct WgLaunchEntry {
   int threads;
   int rows;
 };
-template <int V, bool kPersist = false, bool kTma = false>
+template <int V, bool kPersist = false>
 WgLaunchEntry WgEntryOf(int nv, int gemm2) {
-  const WgKernel kernels[2][2] = {{&WgmmaGemmKernel<Mxfp4, true, V, kPersist, kTma>,
-                                   &WgmmaGemmKernel<Mxfp4, false, V, kPersist, kTma>},
-                                  {&WgmmaGemmKernel<Nvfp4, true, V, kPersist, kTma>,
-                                   &WgmmaGemmKernel<Nvfp4, false, V, kPersist, kTma>}};
+  const WgKernel kernels[2][2] = {
+      {&WgmmaGemmKernel<Mxfp4, true, V, kPersist>, &WgmmaGemmKernel<Mxfp4, false, V, kPersist>},
+      {&WgmmaGemmKernel<Nvfp4, true, V, kPersist>, &WgmmaGemmKernel<Nvfp4, false, V, kPersist>}};
   const int smem[2] = {static_cast<int>(WgSmemBytes<Mxfp4, V>()),
                        static_cast<int>(WgSmemBytes<Nvfp4, V>())};
   return WgLaunchEntry{kernels[nv][gemm2], smem[nv], WgConfig<V>::kThreads,
                        WgConfig<V>::kCtaRows};
 }
-// v: the variant; persist, tma (variant 0 only, not both): the persistent form, the TMA form.
-WgLaunchEntry WgLookup(int v, int nv, int gemm2, bool persist = false, bool tma = false) {
-  return v == 1    ? WgEntryOf<1>(nv, gemm2)
-         : v == 2  ? WgEntryOf<2>(nv, gemm2)
+// v: the variant; persist (variant 0 only): the persistent form.
+WgLaunchEntry WgLookup(int v, int nv, int gemm2, bool persist = false) {
+  return v == 1   ? WgEntryOf<1>(nv, gemm2)
+         : v == 2 ? WgEntryOf<2>(nv, gemm2)
          : persist ? WgEntryOf<0, true>(nv, gemm2)
-         : tma     ? WgEntryOf<0, false, true>(nv, gemm2)
                    : WgEntryOf<0>(nv, gemm2);
 }
 // A persistent grid of one wave per width class is enough only while at most one CTA is resident
@@ -1191,13 +1058,11 @@ std::atomic<uint64_t> g_smem_configured{0};
 
 cudaError_t ConfigureSharedMemory() {
   return OncePerDevice(g_smem_configured, [] {
-    // kWgVariants, + 1: variant 0's persistent and TMA forms
-    for (int v = 0; v <= kWgVariants + 1; ++v) {
+    for (int v = 0; v <= kWgVariants; ++v) {  // kWgVariants: variant 0's persistent form
       for (int nv = 0; nv < 2; ++nv) {
         for (int gemm2 = 0; gemm2 < 2; ++gemm2) {
-          const WgLaunchEntry e = v == kWgVariants       ? WgLookup(0, nv, gemm2, true)
-                                  : v == kWgVariants + 1 ? WgLookup(0, nv, gemm2, false, true)
-                                                         : WgLookup(v, nv, gemm2);
+          const WgLaunchEntry e = v == kWgVariants ? WgLookup(0, nv, gemm2, true)
+                                                   : WgLookup(v, nv, gemm2);
           if (cudaError_t err = cudaFuncSetAttribute(
                   e.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, e.smem);
               err != cudaSuccess) {
@@ -1208,84 +1073,6 @@ cudaError_t ConfigureSharedMemory() {
     }
     return cudaSuccess;
   });
-}
-
-// cuTensorMapEncodeTiled through the runtime's driver entry point (no link to the driver
-// library), looked up once.
-cudaError_t TensorMapEncoder(PFN_cuTensorMapEncodeTiled_v12000* out) {
-  static std::atomic<PFN_cuTensorMapEncodeTiled_v12000> cached{nullptr};
-  if (PFN_cuTensorMapEncodeTiled_v12000 f = cached.load(std::memory_order_acquire)) {
-    *out = f;
-    return cudaSuccess;
-  }
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  if (cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
-                                                        cudaEnableDefault, &found);
-      e != cudaSuccess) {
-    return e;
-  }
-  if (found != cudaDriverEntryPointSuccess || fn == nullptr) return cudaErrorNotSupported;
-  *out = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  cached.store(*out, std::memory_order_release);
-  return cudaSuccess;
-}
-
-// The tensor maps of a TMA launch (WgTmaMaps; with_b: the B map too, GEMM2 only). Refuses what
-// the maps cannot describe: addresses or strides not multiples of 16 bytes, or missing bounds.
-cudaError_t EncodeWgTmaMaps(const ExpertGemmParams& p, bool nvfp4, bool with_b,
-                            WgTmaMaps* maps) {
-  std::memset(maps, 0, sizeof(*maps));
-  const uint64_t scale_bytes = nvfp4 ? 16 : 4;
-  const uint64_t values_stride = static_cast<uint64_t>(p.values_expert_stride) * 16;
-  const uint64_t scales_stride = static_cast<uint64_t>(p.scales_expert_stride) * scale_bytes;
-  const uint64_t chunks = static_cast<uint64_t>(p.chunks);
-  if (p.weight_slots <= 0 || p.tiles <= 0 || p.chunks <= 0 ||
-      (with_b && (p.b_row_count <= 0 || reinterpret_cast<uintptr_t>(p.b_rows) % 16 != 0)) ||
-      (reinterpret_cast<uintptr_t>(p.values) | reinterpret_cast<uintptr_t>(p.scales) |
-       scales_stride) % 16 != 0) {
-    return cudaErrorInvalidValue;
-  }
-  PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-  if (cudaError_t e = TensorMapEncoder(&encode); e != cudaSuccess) return e;
-  const cuuint32_t ones[3] = {1, 1, 1};
-  const cuuint64_t tiles = static_cast<cuuint64_t>(p.tiles);
-  const cuuint64_t slots = static_cast<cuuint64_t>(p.weight_slots);
-  {
-    const cuuint64_t dims[3] = {chunks * 128, tiles, slots};
-    const cuuint64_t strides[2] = {chunks * 512, values_stride};
-    const cuuint32_t box[3] = {128, 16, 1};
-    if (encode(&maps->codes, CU_TENSOR_MAP_DATA_TYPE_UINT32, 3, const_cast<void*>(p.values),
-               dims, strides, box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
-               CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
-      return cudaErrorInvalidValue;
-    }
-  }
-  {
-    const cuuint64_t words = 8 * scale_bytes / 4;  // per tile and chunk
-    const cuuint64_t dims[3] = {chunks * words, tiles, slots};
-    const cuuint64_t strides[2] = {chunks * words * 4, scales_stride};
-    const cuuint32_t box[3] = {static_cast<cuuint32_t>(words), 16, 1};
-    if (encode(&maps->scales, CU_TENSOR_MAP_DATA_TYPE_UINT32, 3, const_cast<void*>(p.scales),
-               dims, strides, box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
-               CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
-      return cudaErrorInvalidValue;
-    }
-  }
-  if (with_b) {
-    const cuuint64_t dims[2] = {chunks * kChunkK, static_cast<cuuint64_t>(p.b_row_count)};
-    const cuuint64_t strides[1] = {chunks * kChunkK * 2};
-    const cuuint32_t box[2] = {kChunkK, kWgTmaBoxRows};
-    if (encode(&maps->b, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<uint16_t*>(p.b_rows),
-               dims, strides, box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
-               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
-      return cudaErrorInvalidValue;
-    }
-  }
-  return cudaSuccess;
 }
 
 }  // namespace
@@ -1302,20 +1089,8 @@ cudaError_t LaunchWgmmaGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
                   p.wg_items == nullptr || p.l2_ahead_tiles != 0)) {
     return cudaErrorInvalidValue;
   }
-  const bool nvfp4 = launch.format == Fp4Format::kNvfp4;
-  WgTmaMaps maps;  // 64-byte aligned (CUtensorMap)
-  if (p.wg_tma) {
-    if (!WgmmaStagesEpilogue(launch.variant) || persist || p.l2_ahead_tiles != 0) {
-      return cudaErrorInvalidValue;
-    }
-    if (cudaError_t err = EncodeWgTmaMaps(p, nvfp4, !launch.gemm1, &maps); err != cudaSuccess) {
-      return err;
-    }
-  } else {
-    std::memset(&maps, 0, sizeof(maps));
-  }
-  const WgLaunchEntry e =
-      WgLookup(launch.variant, nvfp4 ? 1 : 0, launch.gemm1 ? 0 : 1, persist, p.wg_tma);
+  const WgLaunchEntry e = WgLookup(launch.variant, launch.format == Fp4Format::kNvfp4 ? 1 : 0,
+                                   launch.gemm1 ? 0 : 1, persist);
   const int64_t row_blocks = (rows + e.rows - 1) / e.rows;
   int64_t blocks = row_blocks * launch.num_items;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
@@ -1339,7 +1114,7 @@ cudaError_t LaunchWgmmaGemm(const ExpertGemmParams& p, const GemmLaunch& launch,
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
   config.numAttrs = launch.programmatic ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, q, static_cast<int>(row_blocks), maps);
+  return cudaLaunchKernelEx(&config, kernel, q, static_cast<int>(row_blocks));
 }
 
 }  // namespace moe::cuda::detail

@@ -159,15 +159,6 @@ struct ExpertGemmParams {
   int32_t* wg_claims = nullptr;
   const int32_t* wg_starts = nullptr;
   const ExpertItem* wg_items = nullptr;
-  // The wgmma kernel's variant 0 with one tile per CTA (wg_claims null) and no L2 ahead: the
-  // weight stages and the B rows arrive by TMA (cp.async.bulk.tensor, one mbarrier per stage:
-  // thread 0 copies a stage's 16 weight tiles, thread t < item.count its token's row) instead of
-  // per-thread cp.async, which cost each warp ~60 of its ~180 instructions per chunk. Set by the
-  // runner (ExpertRunner::set_wgmma_tma); LaunchWgmmaGemm builds the tensor maps from values,
-  // scales and b_rows (16-byte aligned) and refuses other variants.
-  bool wg_tma = false;
-  int32_t weight_slots = 0;  // wg_tma: expert slots in values / scales (the maps' bounds)
-  int64_t b_row_count = 0;   // wg_tma: rows of b_rows
   const int32_t* slot_route = nullptr;  // GEMM2: y row of each slot
   // Direct routes (no grouping; for batches where no expert slot has more than one route): when
   // direct_ids is set, item i is route i of the y rows (t*K+k, then T*K + s*T + t for shared

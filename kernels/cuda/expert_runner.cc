@@ -358,8 +358,6 @@ ExpertRunner::Decisions ExpertRunner::Decide(const DeviceExpertLayer& layer,
   d.persistent = d.wgmma && !d.l2_ahead && WgmmaStagesEpilogue(d.variant) &&
                  (wgmma_persistent_ == kPersistentOn ||
                   (wgmma_persistent_ == kPersistentAuto && layer.format == Fp4Format::kNvfp4));
-  d.tma = d.wgmma && !d.l2_ahead && !d.persistent && WgmmaStagesEpilogue(d.variant) &&
-         wgmma_tma_ == kPersistentOn;
   d.even_items = d.wgmma && (even_items_ == kPersistentOn ||
                              (even_items_ == kPersistentAuto && d.persistent));
   if (fused_layer_ != kFusedLayerOff && !layer_unavailable_ && variant_ == kAutoGemmVariant &&
@@ -413,7 +411,7 @@ std::string ExpertRunner::ShapeKey(const DeviceExpertLayer& layer, const DeviceB
   return absl::StrCat(reinterpret_cast<uintptr_t>(&layer), ":", plan.tokens, ":", plan.top_k,
                       ":", plan.num_shared, ":", d.plan.token_groups, ":", d.variant, ":",
                       d.wgmma, d.few, d.direct, d.fold, d.hidden_in_place, d.l2_ahead,
-                      d.persistent, d.tma, d.even_items, d.layer,
+                      d.persistent, d.even_items, d.layer,
                       ":", d.ready_target, ":", d.acc_scale, ":",
                       d.grid_items, ":", batch.hidden_bf16, batch.out_bf16,
                       batch.shared_mask != nullptr);
@@ -548,12 +546,6 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   g2.y_out = y_.as<float>();
   g2.y_bf16 = wgmma && y_bf16_ && WgmmaStagesEpilogue(variant);
   g2.l2_ahead_tiles = g1.l2_ahead_tiles;
-  if (d.tma) {
-    g1.wg_tma = g2.wg_tma = true;
-    g1.weight_slots = g2.weight_slots = layer.num_experts + layer.num_shared;
-    g1.b_row_count = plan.tokens;
-    g2.b_row_count = std::max<int64_t>(plan.slotted_routes, plan.y_rows);
-  }
   if (d.persistent) {
     g1.wg_claims = pro.wg_sched + kWgSchedClaims;
     g2.wg_claims = pro.wg_sched + kWgSchedClaims + kWgSchedClaimStride;

@@ -187,11 +187,6 @@ class ExpertRunner {
   static constexpr int kPersistentOff = 0;
   static constexpr int kPersistentOn = 1;
   void set_wgmma_persistent(int mode) { wgmma_persistent_ = mode; }
-  // Batches on the wgmma kernel's variant 0 with one tile per CTA (not persistent, no L2 ahead):
-  // weights and B rows through TMA (ExpertGemmParams::wg_tma). kPersistentOn: every such batch;
-  // kPersistentAuto (the default), kPersistentOff: cp.async (TMA measured within 1% at A 4096 /
-  // 8192 and slower than persistent CTAs at B 4096, NOTES-cuda.md).
-  void set_wgmma_tma(int mode) { wgmma_tma_ = mode; }
   // wgmma batches: a slot's tokens cut into items of near-equal size
   // (ExpertPrologueParams::even_items). kPersistentAuto (the default): with persistent CTAs
   // only (there it keeps an expert's items in one width class, side by side: A 8192 persistent
@@ -258,7 +253,6 @@ class ExpertRunner {
     bool hidden_in_place = false;
     bool l2_ahead = false;
     bool persistent = false;  // the wgmma kernel's persistent CTAs (set_wgmma_persistent)
-    bool tma = false;         // the wgmma kernel's TMA form (set_wgmma_tma)
     bool even_items = false;  // ExpertPrologueParams::even_items (set_even_items)
     bool layer = false;  // the fused layer kernel (LaunchExpertLayer)
     bool acc_scale = false;  // ExpertGemmParams::acc_scale for both GEMMs
@@ -286,7 +280,6 @@ class ExpertRunner {
   bool y_bf16_ = true;
   bool wgmma_l2_ahead_ = false;
   int wgmma_persistent_ = kPersistentAuto;
-  int wgmma_tma_ = kPersistentAuto;
   int even_items_ = kPersistentAuto;
   int item_ready_mode_ = kItemReadyAuto;
   bool acc_scale_ = false;

@@ -52,7 +52,6 @@ struct BackendCase {
   int item_ready = 1;         // CudaBackendOptions::item_ready
   bool acc_scale = false;     // CudaBackendOptions::acc_scale
   int persistent = -1;        // CudaBackendOptions::wgmma_persistent
-  int tma = -1;               // CudaBackendOptions::wgmma_tma
 };
 const BackendCase kBackendCases[] = {
     {0, true, 0},  {1, true, 0},  {2, true, 0},  {3, true, 0},        {4, true, 0},
@@ -71,9 +70,7 @@ const BackendCase kBackendCases[] = {
     // wgmma variant 0 with persistent CTAs for every format, and with one tile per CTA for every
     // format (the default: persistent for NVFP4 only).
     {0, true, 1, -1, false, true, false, -1, 1, false, 1},
-    {0, true, 1, -1, false, true, false, -1, 1, false, 0},
-    // wgmma variant 0, one tile per CTA, with TMA instead of cp.async (the default).
-    {0, true, 1, -1, false, true, false, -1, 1, false, 0, 1}};
+    {0, true, 1, -1, false, true, false, -1, 1, false, 0}};
 
 struct LayerCase {
   std::string name;
@@ -250,7 +247,7 @@ class ExpertsCudaTest : public ::testing::TestWithParam<LayerCase> {
   void SetUp() override {
     std::string why;
     if (cuda::DeviceCount(&why) == 0) GTEST_SKIP() << why;
-    static_assert(sizeof(kBackendCases) / sizeof(kBackendCases[0]) == kGemmVariants + 16);
+    static_assert(sizeof(kBackendCases) / sizeof(kBackendCases[0]) == kGemmVariants + 15);
     for (const BackendCase& bc : kBackendCases) {
       CudaBackendOptions options;
       options.poison_scratch = true;
@@ -265,7 +262,6 @@ class ExpertsCudaTest : public ::testing::TestWithParam<LayerCase> {
       options.item_ready = bc.item_ready;
       options.acc_scale = bc.acc_scale;
       options.wgmma_persistent = bc.persistent;
-      options.wgmma_tma = bc.tma;
       absl::StatusOr<std::unique_ptr<ExpertBackend>> b = MakeCudaExpertBackend(options);
       ASSERT_TRUE(b.ok()) << b.status();
       backends_.push_back(*std::move(b));
@@ -329,7 +325,6 @@ TEST_P(ExpertsCudaTest, MatchesReference) {
                   : kBackendCases[variant].fused_layer == 1 ? "F"
                   : kBackendCases[variant].item_ready == 0 ? "W"
                   : kBackendCases[variant].acc_scale      ? "s"
-                  : kBackendCases[variant].tma == 1        ? "T"
                   : kBackendCases[variant].persistent == 1 ? "P"
                   : kBackendCases[variant].persistent == 0 ? "n"
                                                         : "",
