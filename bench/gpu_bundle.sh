@@ -11,11 +11,11 @@
 #
 # .bundle/ (or $BUNDLE_DIR, so several bundles can sit side by side) is git-ignored; hand it to
 # the device tool as a carried path. BUNDLE_TARGETS picks the binaries (default: all of
-# device_test experts_cuda_test staging_cuda_test cuda_backend_versions_test cuda_ipc_test
-# kernel_bench staging_bench). Each but device_test holds the same ~17 MB kernel fatbin: all seven
-# stripped are ~127 MB; xz with a dictionary larger than the archive stores the repeated fatbin
-# once (~16 MB, against ~60 MB with xz's default 8 MiB dictionary; unpacking needs ~200 MB of
-# memory). `make` refuses an archive over the tool's 64 MiB transfer limit (name fewer targets).
+# device_test backend_test experts_cuda_test staging_cuda_test cuda_backend_versions_test
+# cuda_ipc_test kernel_bench staging_bench). Each but device_test holds the same ~17 MB kernel
+# fatbin (the seven targets before backend_test stripped were ~127 MB); xz with a dictionary
+# larger than the archive stores the repeated fatbin once (~16 MB, against ~60 MB with xz's
+# default 8 MiB dictionary; unpacking needs ~200 MB of memory). `make` refuses an archive over the tool's 64 MiB transfer limit (name fewer targets).
 # Each step of `run` is bounded by `timeout` so one hang cannot eat the whole call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,12 +23,13 @@ B="${BUNDLE_DIR:-.bundle}"
 mode="${1:-}"
 shift || true
 
-ALL_TARGETS=(device_test experts_cuda_test staging_cuda_test cuda_backend_versions_test
-  cuda_ipc_test kernel_bench staging_bench)
+ALL_TARGETS=(device_test backend_test experts_cuda_test staging_cuda_test
+  cuda_backend_versions_test cuda_ipc_test kernel_bench staging_bench)
 
 label_of() {
   case "$1" in
     cuda_ipc_test) echo //server/shard:cuda_ipc_test ;;
+    backend_test) echo //kernels:backend_test ;;
     kernel_bench | staging_bench) echo "//bench:$1" ;;
     *) echo "//kernels/cuda:$1" ;;
   esac
@@ -81,6 +82,7 @@ run_bundle() {
     timeout "$limit" "$B/$name" > "$out/$name.log" 2>&1
     grep -E "$pattern" "$out/$name.log"
   }
+  run_logged backend_test 60 "FAILED|PASSED|Failure"
   run_logged staging_cuda_test 60 "FAILED|PASSED|Failure"
   run_logged cuda_backend_versions_test 150 "FAILED|PASSED|Failure|during upload"
   run_logged cuda_ipc_test 120 "FAILED|PASSED|Failure|client:"

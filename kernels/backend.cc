@@ -10,19 +10,26 @@
 
 namespace moe {
 
-absl::StatusOr<std::unique_ptr<ExpertBackend>> CreateBackend(absl::string_view name) {
+absl::StatusOr<std::unique_ptr<ExpertBackend>> CreateBackend(absl::string_view name,
+                                                             int cuda_device) {
   std::string why;
+  if (cuda_device < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cuda_device=", cuda_device, ": a device index is 0 or more"));
+  }
   if (name == "cpu-reference") return MakeCpuReferenceBackend();
   if (name == "cpu") return MakeCpuBackend(CpuBackendOptions{});
   if (name == "auto") {
-    if (cuda::DeviceCount(&why) > 0) return CreateBackend("cuda");
+    if (cuda::DeviceCount(&why) > 0) return CreateBackend("cuda", cuda_device);
     return MakeCpuBackend(CpuBackendOptions{});
   }
   if (name == "cuda") {
     if (cuda::DeviceCount(&why) == 0) {
       return absl::FailedPreconditionError(absl::StrCat("--backend=cuda: ", why));
     }
-    return MakeCudaExpertBackend();
+    CudaBackendOptions options;
+    options.device = cuda_device;
+    return MakeCudaExpertBackend(options);
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown backend '", name, "' (expected auto, cpu, cpu-reference or cuda)"));

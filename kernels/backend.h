@@ -40,9 +40,12 @@ class ExpertBackend {
 };
 
 // name: "auto" (CUDA when a device is present and the binary has CUDA, else CPU), "cpu",
-// "cpu-reference", "cuda". INVALID_ARGUMENT for an unknown name; FAILED_PRECONDITION for "cuda"
-// without a device, with the reason.
-absl::StatusOr<std::unique_ptr<ExpertBackend>> CreateBackend(absl::string_view name);
+// "cpu-reference", "cuda". cuda_device: the CUDA device a CUDA backend runs on (numbered as the
+// process sees them, i.e. under CUDA_VISIBLE_DEVICES); the CPU backends ignore it.
+// INVALID_ARGUMENT for an unknown name or a negative device; FAILED_PRECONDITION for "cuda"
+// without a device, with the reason, or with a device index past the devices present.
+absl::StatusOr<std::unique_ptr<ExpertBackend>> CreateBackend(absl::string_view name,
+                                                             int cuda_device = 0);
 
 }  // namespace moe
 

@@ -4,6 +4,9 @@
 #include <utility>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/string_view.h"
 #include "server/common/auth.h"
 #include "server/common/tls.h"
 
@@ -19,6 +22,14 @@ ABSL_FLAG(std::string, auth_tokens_file, "",
 ABSL_FLAG(std::string, auth_token_file, "", "clients: file holding the bearer token to send");
 
 namespace moe {
+
+void ListServerFlagsInHelp() {
+  absl::FlagsUsageConfig config;
+  config.contains_help_flags = [](absl::string_view path) {
+    return absl::StrContains(path, "server/");
+  };
+  absl::SetFlagsUsageConfig(config);
+}
 namespace {
 
 TlsOptions TlsFromFlags() {

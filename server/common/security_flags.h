@@ -27,6 +27,11 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFromFl
 // Sets the process default channel security from the flags.
 absl::Status InstallClientSecurityFromFlags();
 
+// Makes --help list the flags defined under server/ (the binary's own and these security flags).
+// absl's default lists only flags from a file named after the program, which moe_shard's main.cc
+// is not. Call before absl::ParseCommandLine.
+void ListServerFlagsInHelp();
+
 }  // namespace moe
 
 #endif  // MOE_SERVER_COMMON_SECURITY_FLAGS_H_

@@ -112,6 +112,7 @@ moe::ObservabilityOptions ObservabilityFromFlags(int num_shards) {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "moe_coordinator --num_shards=N [--redundant_slots=R] [--port=P | --port_file=FILE]");
+  moe::ListServerFlagsInHelp();
   absl::ParseCommandLine(argc, argv);
   FLAGS_logtostderr = true;
   google::InitGoogleLogging(argv[0]);

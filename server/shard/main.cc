@@ -36,6 +36,9 @@ ABSL_FLAG(std::string, host, "127.0.0.1", "address to listen on");
 ABSL_FLAG(int, port, 0, "port to listen on; 0 picks a free one (see --port_file)");
 ABSL_FLAG(std::string, port_file, "", "write the bound port to this file once serving starts");
 ABSL_FLAG(std::string, backend, "auto", "auto | cpu | cpu-reference | cuda");
+ABSL_FLAG(int, cuda_device, 0,
+          "CUDA device of a cuda (or auto) backend, numbered as this process sees the devices "
+          "(under CUDA_VISIBLE_DEVICES); one shard per GPU: 0, 1, ... or one device per process");
 ABSL_FLAG(int, rank, -1, "rank to request from the coordinator; -1 takes any free rank");
 ABSL_FLAG(int64_t, max_batch_tokens, 8192, "token budget of one merged executor batch");
 ABSL_FLAG(int, max_batch_wait_us, 0,
@@ -66,7 +69,7 @@ namespace {
 
 struct ShardOptions {
   std::string model, coordinator, host, port_file, backend;
-  int port = 0, rank = -1, drain_seconds = 10, register_wait_seconds = 60;
+  int port = 0, rank = -1, drain_seconds = 10, register_wait_seconds = 60, cuda_device = 0;
   int max_connection_age_seconds = 300;
   ExecutorOptions executor;
   HttpEndpointOptions metrics;
@@ -81,6 +84,7 @@ ShardOptions OptionsFromFlags() {
   o.port = absl::GetFlag(FLAGS_port);
   o.port_file = absl::GetFlag(FLAGS_port_file);
   o.backend = absl::GetFlag(FLAGS_backend);
+  o.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   o.rank = absl::GetFlag(FLAGS_rank);
   o.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
   o.register_wait_seconds = absl::GetFlag(FLAGS_register_wait_seconds);
@@ -116,7 +120,7 @@ int Run(const ShardOptions& o) {
     LOG(ERROR) << "cannot open model " << o.model << ": " << source.status();
     return 1;
   }
-  absl::StatusOr<std::unique_ptr<ExpertBackend>> backend = CreateBackend(o.backend);
+  absl::StatusOr<std::unique_ptr<ExpertBackend>> backend = CreateBackend(o.backend, o.cuda_device);
   if (!backend.ok()) {
     LOG(ERROR) << backend.status();
     return 1;
@@ -261,6 +265,7 @@ int main(int argc, char** argv) {
       "moe_shard --model DIR [--coordinator HOST:PORT] [--port N] [--backend auto|cpu|cuda]\n"
       "Serves the expert layers of an MoE model for the slots the coordinator assigns (or every\n"
       "expert when run without a coordinator).");
+  moe::ListServerFlagsInHelp();
   absl::ParseCommandLine(argc, argv);
   // Per-request tensors are megabytes: keep them in the heap instead of fresh mmaps.
   moe::TuneAllocatorForLargeBuffers();

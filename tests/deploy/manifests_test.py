@@ -385,5 +385,21 @@ class SystemdTest(unittest.TestCase):
             self.assertEqual(out.stdout + out.stderr, "", "systemd-analyze verify complained")
 
 
+class HelpTest(unittest.TestCase):
+    """`--help` (not only --helpfull) lists each server binary's own flags and the shared
+    security flags, with their defaults: what an operator reads first."""
+
+    def test_help_lists_the_binary_flags(self):
+        for launcher, own in (("moe-shard", ("model", "backend", "cuda_device", "coordinator")),
+                              ("moe-coordinator", ("num_shards", "redundant_slots", "port"))):
+            out = subprocess.run([BINARIES[launcher], "--help"], capture_output=True, text=True,
+                                 timeout=30)
+            text = out.stdout + out.stderr
+            listed = set(re.findall(r"^\s+--([A-Za-z0-9_]+) \(", text, re.M))
+            for flag in own + ("tls_cert", "auth_tokens_file"):
+                self.assertIn(flag, listed, "%s --help does not list --%s" % (launcher, flag))
+            self.assertNotIn("No flags matched", text)
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)

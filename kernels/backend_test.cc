@@ -1,0 +1,59 @@
+// CreateBackend: names, the CUDA device index, and the errors a shard's flags turn into.
+#include "kernels/backend.h"
+
+#include <memory>
+#include <string>
+
+#include "gtest/gtest.h"
+#include "kernels/cuda/device.h"
+
+namespace moe {
+namespace {
+
+TEST(CreateBackendTest, CpuBackendsIgnoreTheDevice) {
+  absl::StatusOr<std::unique_ptr<ExpertBackend>> cpu = CreateBackend("cpu", 3);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  EXPECT_EQ((*cpu)->name(), "cpu");
+  absl::StatusOr<std::unique_ptr<ExpertBackend>> ref = CreateBackend("cpu-reference", 1);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  EXPECT_EQ((*ref)->name(), "cpu-reference");
+}
+
+TEST(CreateBackendTest, RefusesBadNamesAndNegativeDevices) {
+  absl::StatusOr<std::unique_ptr<ExpertBackend>> unknown = CreateBackend("tpu");
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(unknown.status().message().find("tpu"), absl::string_view::npos);
+  for (const char* name : {"cuda", "auto", "cpu"}) {
+    absl::StatusOr<std::unique_ptr<ExpertBackend>> negative = CreateBackend(name, -1);
+    ASSERT_FALSE(negative.ok()) << name;
+    EXPECT_EQ(negative.status().code(), absl::StatusCode::kInvalidArgument) << name;
+    EXPECT_NE(negative.status().message().find("--cuda_device=-1"), absl::string_view::npos);
+  }
+}
+
+// A device index past the devices present is refused with their count (no device at all: the
+// reason there is none). Where devices exist, the last one serves and names itself.
+TEST(CreateBackendTest, CudaDeviceIndexIsChecked) {
+  std::string why;
+  const int count = cuda::DeviceCount(&why);
+  absl::StatusOr<std::unique_ptr<ExpertBackend>> past = CreateBackend("cuda", count);
+  ASSERT_FALSE(past.ok());
+  EXPECT_EQ(past.status().code(), absl::StatusCode::kFailedPrecondition);
+  if (count > 0) {
+    EXPECT_NE(past.status().message().find(std::to_string(count) + " present"),
+              absl::string_view::npos)
+        << past.status();
+    absl::StatusOr<std::unique_ptr<ExpertBackend>> last = CreateBackend("cuda", count - 1);
+    ASSERT_TRUE(last.ok()) << last.status();
+    EXPECT_EQ((*last)->name(), "cuda");
+  } else {
+    // Without a device, auto falls back to the CPU for any valid index.
+    absl::StatusOr<std::unique_ptr<ExpertBackend>> fallback = CreateBackend("auto", 2);
+    ASSERT_TRUE(fallback.ok()) << fallback.status();
+    EXPECT_EQ((*fallback)->name(), "cpu");
+  }
+}
+
+}  // namespace
+}  // namespace moe
