@@ -3,7 +3,8 @@
 # `moe-shard --backend cuda`, then `moectl workload` runs whose outputs are checked against the
 # CPU reference (a failed check aborts before the report), for an MXFP4 gpt-oss-like model and
 # an NVFP4 model with a shared expert; 16 tokens per step, 2 (one-token shard batches, which run
-# as CUDA graphs) and 512 (the wgmma path).
+# as CUDA graphs) and 512 (the wgmma path). Also: a shard asked for a device past those present
+# (--cuda_device) must refuse to start, naming their count.
 #
 #   deploy/gpu_e2e.sh [BUNDLE_TAR]   # default: .bundle-rel/moe-serve-*.tar.gz
 #
@@ -25,13 +26,25 @@ for fmt in mxfp4 nvfp4; do
   else shape="--hidden 1024 --intermediate 512 --shared_experts 1 --activation silu"; steps=40; fi
   bin/moectl gen-model --out "$m" --format $fmt --layers 3 --experts 16 $shape > /dev/null 2>&1 ||
     { echo "gen-model failed ($fmt)"; exit 1; }
+  if [[ $fmt == mxfp4 ]]; then
+    gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU')
+    timeout 30 bin/moe-shard --model "$m" --backend cuda --cuda_device "$gpus" \
+      > "$OUT/shard-bad-device.log" 2>&1
+    rc=$?
+    if ((rc != 0)) && grep -q "$gpus present" "$OUT/shard-bad-device.log"; then
+      echo "moe-shard --cuda_device $gpus ($gpus GPUs): refused, rc=$rc"
+    else
+      echo "moe-shard --cuda_device $gpus ($gpus GPUs): not refused as expected, rc=$rc"
+      failed=1
+    fi
+  fi
   port=$((50050 + RANDOM % 500))
   bin/moe-coordinator --port $port --num_shards 2 --redundant_slots 2 > "$OUT/coord-$fmt.log" 2>&1 &
   c=$!
   sleep 1
   for r in 0 1; do
     bin/moe-shard --model "$m" --coordinator 127.0.0.1:$port --port $((port + 1 + r)) --rank $r \
-      --backend cuda > "$OUT/shard$r-$fmt.log" 2>&1 &
+      --backend cuda --cuda_device 0 > "$OUT/shard$r-$fmt.log" 2>&1 &
   done
   for run in "$steps 16" "12 2" "3 512"; do
     read -r n tokens <<< "$run"
