@@ -7,7 +7,8 @@
 #                                   # tests and benchmarks present in the bundle (kernel_bench
 #                                   # gets the args); SANITIZE=<gtest filter> adds a
 #                                   # compute-sanitizer memcheck; NCU="64 4096" profiles the first
-#                                   # two GEMMs at those sizes
+#                                   # two GEMMs at those sizes; POWER="A:512:6000" runs points
+#                                   # sustained with power and clock sampling
 #
 # .bundle/ (or $BUNDLE_DIR, so several bundles can sit side by side) is git-ignored; hand it to
 # the device tool as a carried path. BUNDLE_TARGETS picks the binaries (default: all of
@@ -103,6 +104,30 @@ run_bundle() {
     timeout 100 compute-sanitizer --tool memcheck "$B"/experts_cuda_test \
       --gtest_filter="$SANITIZE" > "$out/memcheck.log" 2>&1
     tail -4 "$out/memcheck.log"
+  fi
+  # POWER="A:512:6000 A:1:100000 ..." (problem:tokens:replays): each point run long enough to
+  # reach the steady state a serving GPU lives in, with nvidia-smi sampling power, SM clock and
+  # the throttle reasons every 100 ms beside it (its power reading is a ~1 s average). Every
+  # point but A 1 runs at the 700 W cap once warm (NOTES-cuda.md, tenth session), where time
+  # follows energy per pass rather than instruction count.
+  if [[ -n "${POWER:-}" ]] && has kernel_bench && command -v nvidia-smi > /dev/null; then
+    for spec in ${POWER}; do
+      IFS=: read -r prob toks reps <<< "$spec"
+      local csv="$out/power_${prob}_${toks}.csv"
+      nvidia-smi --query-gpu=timestamp,power.draw,clocks.sm,temperature.gpu,clocks_throttle_reasons.active \
+        --format=csv,noheader -lms 100 > "$csv" &
+      local sampler=$!
+      timeout 200 "$B"/kernel_bench --commit="$commit" --problem="$prob" --tokens="$toks" \
+        --reps="$reps" --check_tokens=0 --extras=none \
+        --out_json="$out/kernel_bench_power_${prob}_${toks}.json" 2>&1 | grep -E "^T="
+      kill "$sampler" 2> /dev/null
+      wait "$sampler" 2> /dev/null
+      # 0x4 in the throttle reasons: the software power cap.
+      awk -F', ' -v s="$spec" '$2 + 0 > 350 {n++; w += $2; c += $3; if (min == 0 || $3 + 0 < min) min = $3 + 0;
+             if ($5 ~ /4$/) cap++}
+           END {if (n) printf "%s: %d samples over 350 W, mean %.0f W, SM clock mean %.0f min %d MHz, power cap in %d\n",
+                               s, n, w / n, c / n, min, cap; else print s ": no sample over 350 W"}' "$csv"
+    done
   fi
   if [[ -n "${NCU:-}" ]] && has kernel_bench && command -v ncu > /dev/null; then
     for t in ${NCU}; do
