@@ -16,7 +16,8 @@
 # cuda_ipc_test kernel_bench staging_bench). Each but device_test holds the same ~17 MB kernel
 # fatbin (the seven targets before backend_test stripped were ~127 MB); xz with a dictionary
 # larger than the archive stores the repeated fatbin once (~16 MB, against ~60 MB with xz's
-# default 8 MiB dictionary; unpacking needs ~200 MB of memory). `make` refuses an archive over the tool's 64 MiB transfer limit (name fewer targets).
+# default 8 MiB dictionary; unpacking needs ~200 MB of memory). `make` refuses an archive over
+# the tool's 64 MiB transfer limit (name fewer targets).
 # Each step of `run` is bounded by `timeout` so one hang cannot eat the whole call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -114,8 +115,9 @@ run_bundle() {
     for spec in ${POWER}; do
       IFS=: read -r prob toks reps <<< "$spec"
       local csv="$out/power_${prob}_${toks}.csv"
-      nvidia-smi --query-gpu=timestamp,power.draw,clocks.sm,temperature.gpu,clocks_throttle_reasons.active \
-        --format=csv,noheader -lms 100 > "$csv" &
+      nvidia-smi --format=csv,noheader -lms 100 \
+        --query-gpu=timestamp,power.draw,clocks.sm,temperature.gpu,clocks_throttle_reasons.active \
+        > "$csv" &
       local sampler=$!
       timeout 200 "$B"/kernel_bench --commit="$commit" --problem="$prob" --tokens="$toks" \
         --reps="$reps" --check_tokens=0 --extras=none \
@@ -123,10 +125,17 @@ run_bundle() {
       kill "$sampler" 2> /dev/null
       wait "$sampler" 2> /dev/null
       # 0x4 in the throttle reasons: the software power cap.
-      awk -F', ' -v s="$spec" '$2 + 0 > 350 {n++; w += $2; c += $3; if (min == 0 || $3 + 0 < min) min = $3 + 0;
-             if ($5 ~ /4$/) cap++}
-           END {if (n) printf "%s: %d samples over 350 W, mean %.0f W, SM clock mean %.0f min %d MHz, power cap in %d\n",
-                               s, n, w / n, c / n, min, cap; else print s ": no sample over 350 W"}' "$csv"
+      awk -F', ' -v s="$spec" '
+        $2 + 0 > 350 {
+          n++; w += $2; c += $3
+          if (min == 0 || $3 + 0 < min) min = $3 + 0
+          if ($5 ~ /4$/) cap++
+        }
+        END {
+          if (!n) { print s ": no sample over 350 W"; exit }
+          printf "%s: %d samples over 350 W, mean %.0f W, SM clock mean %.0f min %d MHz, " \
+                 "power cap in %d\n", s, n, w / n, c / n, min, cap
+        }' "$csv"
     done
   fi
   if [[ -n "${NCU:-}" ]] && has kernel_bench && command -v ncu > /dev/null; then

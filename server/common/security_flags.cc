@@ -30,6 +30,7 @@ void ListServerFlagsInHelp() {
   };
   absl::SetFlagsUsageConfig(config);
 }
+
 namespace {
 
 TlsOptions TlsFromFlags() {
