@@ -649,12 +649,7 @@ int Main() {
     if (wgmma && absl::GetFlag(FLAGS_wgmma_trace)) PrintWgmmaTrace(layer, runner, sets, stream);
     if (absl::GetFlag(FLAGS_layer_trace)) {
       runner.set_fused_layer(cuda::ExpertRunner::kFusedLayerAlways);
-      for (const bool ranges : {false, true}) {  // the rounds split, then the warp ranges
-        std::printf("      layer trace, %s:\n", ranges ? "warp ranges" : "rounds");
-        runner.set_layer_ranges(ranges ? 2 : 0);
-        PrintLayerTrace(layer, runner, sets, stream);
-      }
-      runner.set_layer_ranges(0);
+      PrintLayerTrace(layer, runner, sets, stream);
       runner.set_fused_layer(cuda::ExpertRunner::kFusedLayerAuto);
     }
     // A knob on (`name`) against off (`no_` + name), alternated twice: extras measured later run
@@ -687,22 +682,14 @@ int Main() {
       const struct {
         const char* name;
         int mode;
-        int ranges;
-      } modes[] = {{"fused_layer", cuda::ExpertRunner::kFusedLayerAlways, 0},
-                   {"fused_layer_ranges", cuda::ExpertRunner::kFusedLayerAlways, 1},
-                   {"fused_layer_ranges_light", cuda::ExpertRunner::kFusedLayerAlways, 2},
-                   {"no_fused_layer", cuda::ExpertRunner::kFusedLayerOff, 0}};
+      } modes[] = {{"fused_layer", cuda::ExpertRunner::kFusedLayerAlways},
+                   {"no_fused_layer", cuda::ExpertRunner::kFusedLayerOff}};
       for (const auto& m : modes) {
         if (!is_wanted(m.name)) continue;
         runner.set_fused_layer(m.mode);
-        runner.set_layer_ranges(m.ranges);
-        // One eager pass first: the warp ranges' scratch is allocated outside the capture.
-        EnqueuePasses(layer, runner, sets, false, stream);
-        CUDA_CHECK_OK(cudaStreamSynchronize(stream));
         time_with_stages(m.name);
       }
       runner.set_fused_layer(cuda::ExpertRunner::kFusedLayerAuto);
-      runner.set_layer_ranges(0);
     }
     if (tokens <= absl::GetFlag(FLAGS_extras_max_tokens)) {
       // variant0_grouped is the previous default (register ring, routes always grouped).

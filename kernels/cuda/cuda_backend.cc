@@ -80,7 +80,6 @@ class CudaExpertBackend final : public ExpertBackend {
     runner_.set_wgmma_l2_ahead(options.wgmma_l2_ahead);
     runner_.set_wgmma_persistent(options.wgmma_persistent);
     runner_.set_fused_layer(options.fused_layer);
-    runner_.set_layer_ranges(options.fused_layer_ranges);
     runner_.set_item_ready(options.item_ready);
     runner_.set_acc_scale(options.acc_scale);
     runner_.set_programmatic_launch(options.programmatic_launch);

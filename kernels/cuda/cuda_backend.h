@@ -50,9 +50,6 @@ struct CudaBackendOptions {
   // measured faster, i.e. long GEMM1 K and many weight bytes per SM, as DeepSeek-V3's layer at
   // one token; 1 whenever it fits; 0 never). Tests cover each.
   int fused_layer = -1;
-  // The fused layer kernel's work split (ExpertRunner::set_layer_ranges): one contiguous chunk
-  // range per warp instead of rounds of tiles with K-split barriers. Tests cover both.
-  int fused_layer_ranges = 0;
   // Two-grid batches on the mma.sync kernels: GEMM2's CTAs start per item as soon as GEMM1's
   // warps of that item are done, not after the whole GEMM1 grid (ExpertRunner::set_item_ready:
   // -1 where it measured faster, GEMM1 grids of 0.8 to 4.5 waves; 1 always; 0 never).

@@ -55,14 +55,6 @@ __device__ __forceinline__ int32_t AddRelaxed(int32_t* p, int v) {
                : "memory");
   return old;
 }
-__device__ __forceinline__ int32_t AddAcqRel(int32_t* p, int v) {
-  int32_t old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;"
-               : "=r"(old)
-               : "l"(p), "r"(v)
-               : "memory");
-  return old;
-}
 __device__ __forceinline__ void StoreRelaxed(int32_t* p, int32_t v) {
   asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }

@@ -375,16 +375,9 @@ inline constexpr int kFoldRowsPerBlock = 16;
 struct ExpertLayerParams {
   ExpertGemmParams g1;  // GEMM1 with direct_* set (b_rows: the staged hidden rows)
   ExpertGemmParams g2;  // GEMM2 with direct_* and fold_* set (b_rows: g1.act_out)
-  // Per-route counters, zero before the launch (the prologue's zero_words): the first
-  // ExpertLayerRoutes(...) words; with `ranges`, ExpertLayerCounterWords() words (the per-tile
-  // piece counters after the first kMaxLayerRoutes).
+  // [ExpertLayerRoutes(...)] per-route counters, zero before the launch (the prologue's
+  // zero_words).
   int32_t* ready = nullptr;
-  // Work split: false, rounds of tiles per CTA with K-split slices added at CTA barriers; true,
-  // one contiguous chunk range per warp, tiles cut between warps finished through `partials`
-  // (ExpertLayerPartialFloats() floats, no zeroing needed) by the last piece's warp.
-  // (0: rounds; 1: warp ranges; 2: warp ranges with release / acquire atomics and no fences.)
-  int ranges = 0;
-  float* partials = nullptr;
   // Benchmark aid, null otherwise: thread 0 of each CTA writes the global timer (ns) at 6 points
   // into trace[cta * 8 + i]: past the programmatic wait for the prologue, hidden rows staged, own
   // GEMM1 rounds done, every route ready, act rows staged, end.
@@ -395,15 +388,11 @@ inline int ExpertLayerRoutes(int tokens, int top_k, int shared) {
   return tokens * top_k + shared * tokens;
 }
 inline constexpr int kMaxLayerRoutes = 64;
-inline constexpr int kExpertLayerWarps = 24;  // warps per CTA (one CTA per SM)
-// Scratch of ExpertLayerParams with `ranges` on the current device (0 when it cannot be read).
-int64_t ExpertLayerCounterWords();
-int64_t ExpertLayerPartialFloats();
 // Whether LaunchExpertLayer takes a batch of these sizes on the current device (routes up to
 // kMaxLayerRoutes; the hidden rows, the act rows and the weight rings fit into one CTA's shared
 // memory); *sms (if not null) gets the device's SM count (the kernel's CTAs).
 bool ExpertLayerFits(Fp4Format format, int tokens, int routes, int hidden_chunks, int act_cols,
-                     int w13_tiles, int w2_tiles, int w2_chunks, int* sms, bool ranges = false);
+                     int w13_tiles, int w2_tiles, int w2_chunks, int* sms);
 // programmatic: as GemmLaunch (the predecessor is the prologue).
 cudaError_t LaunchExpertLayer(const ExpertLayerParams& p, Fp4Format format, bool programmatic,
                               cudaStream_t stream);

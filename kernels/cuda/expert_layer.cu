@@ -39,7 +39,7 @@ namespace {
 using namespace detail;  // NOLINT: the shared device stages
 
 constexpr int kGroup = 4;       // chunks per ring slot
-constexpr int kWarps = kExpertLayerWarps;  // 768 threads: up to 80 registers
+constexpr int kWarps = 24;      // 768 threads: up to 80 registers
 constexpr int kMaxStages = 16;  // ring slots per warp
 constexpr int kMinStages = 2;
 constexpr int kThreads = kWarps * kWarpLanes;
@@ -52,7 +52,6 @@ struct LayerLayout {
   int stages = 0;         // ring slots per warp
   int slot_bytes = 0;     // kGroup * (codes + scale words of a chunk)
   int x_off = 0, act_off = 0, red_off = 0, bar_off = 0, route_off = 0, zero_off = 0;
-  int cursor_off = 0;  // warp ranges: each warp's copy cursor (RangeCursor)
   int smem_bytes = 0;
 };
 
@@ -400,356 +399,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   Trace(p, 5);
 }
 
-// ---- Warp ranges (ExpertLayerParams::ranges): the same work split without rounds or K-split
-// barriers. Each GEMM's chunks (routes x packed tiles x chunks, route-major, then tile, then K)
-// are cut into one contiguous range per warp (the warps ordered warp-major across the CTAs, so
-// neighbouring ranges run on different SMs); a warp streams its GEMM1 range, then its GEMM2
-// range, through its ring without pausing at tile boundaries. A tile cut between warps is
-// finished by the last of them to arrive: each piece's accumulators go to a per-warp slot in
-// global memory, a counter per tile (indexed by the tile's first warp) counts the pieces, and
-// the warp that completes it adds the pieces in warp order (bitwise repeatable) and runs the
-// epilogue. GEMM2's pieces wait for their route's GEMM1 tiles (ready[route], acquire) before
-// reading its act row; nothing waits for a whole CTA.
-constexpr int kRangeMinChunks = 4;  // fewer chunks per warp leave warps without a range
-constexpr int kRangeWarps = 16;     // warps per CTA: up to 128 registers
-static_assert(kRangeWarps <= kExpertLayerWarps, "the scratch is sized for kExpertLayerWarps");
-
-// One GEMM's chunks over the warps: warp w streams [Begin(w), Begin(w + 1)).
-struct RangeSplit {
-  int64_t units = 0;  // routes * tiles * chunks
-  int warps = 1;      // warps with a range
-  int tiles = 0, chunks = 0;
-  __device__ __forceinline__ int64_t Begin(int w) const { return units * w / warps; }
-  // The warp whose range holds chunk u.
-  __device__ __forceinline__ int WarpOf(int64_t u) const {
-    return static_cast<int>(((u + 1) * warps - 1) / units);
-  }
-};
-__device__ __forceinline__ RangeSplit SplitOf(const ExpertGemmParams& g, int routes,
-                                              int all_warps) {
-  RangeSplit s;
-  s.tiles = g.tiles;
-  s.chunks = g.chunks;
-  s.units = static_cast<int64_t>(routes) * g.tiles * g.chunks;
-  s.warps = static_cast<int>(
-      max(int64_t{1}, min(static_cast<int64_t>(all_warps), s.units / kRangeMinChunks)));
-  return s;
-}
-
-// A position in a warp's range: route index, tile, chunk in the tile, chunks left.
-struct RangePos {
-  int ri = 0, tile = 0, k = 0;
-  int64_t left = 0;
-  __device__ __forceinline__ void Start(const RangeSplit& s, int w) {
-    left = 0;
-    if (w >= s.warps || s.units == 0) return;
-    const int64_t u = s.Begin(w);
-    left = s.Begin(w + 1) - u;
-    const int64_t per_route = static_cast<int64_t>(s.tiles) * s.chunks;
-    ri = static_cast<int>(u / per_route);
-    const int rem = static_cast<int>(u - ri * per_route);
-    tile = rem / s.chunks;
-    k = rem - tile * s.chunks;
-  }
-  // Chunks of the piece (the rest of this tile within the range).
-  __device__ __forceinline__ int PieceLen(const RangeSplit& s) const {
-    return static_cast<int>(min(left, static_cast<int64_t>(s.chunks - k)));
-  }
-  __device__ __forceinline__ void Advance(const RangeSplit& s, int n) {
-    k += n;
-    left -= n;
-    if (k == s.chunks) {
-      k = 0;
-      if (++tile == s.tiles) {
-        tile = 0;
-        ++ri;
-      }
-    }
-  }
-};
-
-struct RangeCursor {
-  RangePos pos;
-  int ph;
-};
-static_assert(kGroup % 2 == 0, "the B ping-pong needs an even group");
-static_assert(sizeof(RangeCursor) <= 32, "LayerLayout::cursor_off holds 32 bytes per warp");
-
-// B fragments of one chunk (two 16-byte vectors) where `pred` (else lo and hi keep their
-// values): GEMM1 through L1, GEMM2 (act rows written by other CTAs of the grid) from L2.
-template <int kPh>
-__device__ __forceinline__ void LoadBPair(bool pred, const uint4* p, uint4& lo, uint4& hi) {
-  if constexpr (kPh == 0) {
-    asm volatile(
-        "{\n .reg .pred q;\n setp.ne.b32 q, %8, 0;\n"
-        " @q ld.global.v4.u32 {%0, %1, %2, %3}, [%9];\n"
-        " @q ld.global.v4.u32 {%4, %5, %6, %7}, [%9+16];\n}"
-        : "+r"(lo.x), "+r"(lo.y), "+r"(lo.z), "+r"(lo.w), "+r"(hi.x), "+r"(hi.y), "+r"(hi.z),
-          "+r"(hi.w)
-        : "r"(static_cast<int>(pred)), "l"(p));
-  } else {
-    asm volatile(
-        "{\n .reg .pred q;\n setp.ne.b32 q, %8, 0;\n"
-        " @q ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%9];\n"
-        " @q ld.global.cg.v4.u32 {%4, %5, %6, %7}, [%9+16];\n}"
-        : "+r"(lo.x), "+r"(lo.y), "+r"(lo.z), "+r"(lo.w), "+r"(hi.x), "+r"(hi.y), "+r"(hi.z),
-          "+r"(hi.w)
-        : "r"(static_cast<int>(pred)), "l"(p));
-  }
-}
-
-template <class Fmt, bool kLight>
-__global__ void __launch_bounds__(kRangeWarps * kWarpLanes, 1)
-    ExpertLayerRangesKernel(const ExpertLayerParams p, const LayerLayout L) {
-  using Scale = typename Fmt::Scale;
-  constexpr int kScaleBytes = 8 * static_cast<int>(sizeof(Scale));
-  constexpr int kChunkAll = kChunkBytes + kScaleBytes;
-  using Ph0 = std::integral_constant<int, 0>;
-  using Ph1 = std::integral_constant<int, 1>;
-  extern __shared__ __align__(128) unsigned char smem[];
-  const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int cta = static_cast<int>(blockIdx.x), ctas = static_cast<int>(gridDim.x);
-  const int all_warps = ctas * kRangeWarps;
-  const int gw = warp * ctas + cta;
-  const ExpertGemmParams& g1 = p.g1;
-  const ExpertGemmParams& g2 = p.g2;
-  const int stages = L.stages, slot_bytes = L.slot_bytes;
-  int32_t* route_list = reinterpret_cast<int32_t*>(smem + L.route_off);
-  const uint32_t smem_at = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const uint32_t ring = smem_at + warp * stages * slot_bytes;
-  const uint32_t bars = smem_at + L.bar_off + warp * kMaxStages * 8;
-
-  if (threadIdx.x == 0) {  // as ExpertLayerKernel
-    const int total = g1.direct_tokens * (g1.direct_top_k + g1.direct_shared);
-    int n = 0;
-    for (int r = 0; r < total && n < kMaxLayerRoutes; ++r) {
-      const int expert = DirectExpert(g1, r);
-      if (expert < 0) continue;
-      route_list[1 + n] = r;
-      route_list[1 + kMaxLayerRoutes + n] = expert;
-      ++n;
-    }
-    route_list[0] = n;
-  }
-  if (lane == 0) {
-    for (int s = 0; s < stages; ++s) MbarrierInit(bars + 8 * s, 1);
-    FenceMbarrierInit();
-  }
-  __syncthreads();
-  const int routes = route_list[0];
-  if (routes == 0) return;
-  const RangeSplit split[2] = {SplitOf(g1, routes, all_warps), SplitOf(g2, routes, all_warps)};
-  int32_t* const piece_counts = p.ready + kMaxLayerRoutes;
-
-  // Lane 0's copy cursor (GEMM1's range, then GEMM2's), kept in shared memory: lane 0 touches it
-  // once per step, and the main loop's registers stay free.
-  const uint64_t policy = L2Policy(true);
-  RangeCursor& cur = reinterpret_cast<RangeCursor*>(smem + L.cursor_off)[warp];
-  RangePos& issue = cur.pos;
-  auto issue_next_phase = [&] {
-    while (issue.left == 0 && cur.ph < 2) {
-      if (++cur.ph < 2) issue.Start(split[1], gw);
-    }
-  };
-  auto issue_step = [&](auto ph_c, int slot) {
-    constexpr int kPh = decltype(ph_c)::value;
-    const ExpertGemmParams& gp = kPh == 0 ? g1 : g2;
-    const RangeSplit& s = split[kPh];
-    const int cnt = min(kGroup, issue.PieceLen(s));
-    const int expert = route_list[1 + kMaxLayerRoutes + issue.ri];
-    const int64_t chunk0 = static_cast<int64_t>(issue.tile) * gp.chunks + issue.k;
-    const uint4* values = static_cast<const uint4*>(gp.values) + expert * gp.values_expert_stride +
-                          chunk0 * kWarpLanes;
-    const Scale* scales =
-        static_cast<const Scale*>(gp.scales) + expert * gp.scales_expert_stride + chunk0 * 8;
-    const uint32_t bar = bars + 8 * slot;
-    const uint32_t dst = ring + slot * slot_bytes;
-    MbarrierArriveExpectTx(bar, static_cast<uint32_t>(cnt * kChunkAll));
-    BulkCopyToShared(dst, values, cnt * kChunkBytes, bar, policy);
-    BulkCopyToShared(dst + kGroup * kChunkBytes, scales, cnt * kScaleBytes, bar, policy);
-    issue.Advance(s, cnt);
-  };
-  auto issue_into = [&](int slot) {
-    if (cur.ph >= 2) return;
-    if (cur.ph == 0) {
-      issue_step(Ph0{}, slot);
-    } else {
-      issue_step(Ph1{}, slot);
-    }
-    issue_next_phase();
-  };
-  if (lane == 0) {
-    cur.ph = 0;
-    issue.Start(split[0], gw);
-    issue_next_phase();
-    for (int s = 0; s < stages; ++s) issue_into(s);
-  }
-
-  WaitForPrerequisites();  // the prologue's staged rows and zeroed counters
-  Trace(p, 0);
-  Trace(p, 1);
-  const int x_vectors_per_row = g1.chunks * kActChunkVectors;
-  const int act_vectors_per_row = g2.chunks * kActChunkVectors;
-  const uint32_t my_v = lane * 16;
-  const uint32_t my_s = kGroup * kChunkBytes + g * static_cast<int>(sizeof(Scale));
-  int slot = 0;
-  uint32_t parity = 0, slot_at = ring, bar_at = bars;
-  const bool b_lanes = g == 0;  // MMA column 0: the route's one token
-  uint64_t routes_ready = 0;  // GEMM2: routes whose act rows this warp has waited for
-  auto consume = [&](auto ph_c) {
-    constexpr int kPh = decltype(ph_c)::value;
-    const ExpertGemmParams& gp = kPh == 0 ? g1 : g2;
-    const RangeSplit& s = split[kPh];
-    RangePos pos;
-    pos.Start(s, gw);
-    bool first_piece = true;
-    while (pos.left > 0) {
-      const int len = pos.PieceLen(s);
-      const int ri = pos.ri, tile = pos.tile;
-      const int route = route_list[1 + ri];
-      const int expert = route_list[1 + kMaxLayerRoutes + ri];
-      const int token = DirectToken(g1, route);
-      PrefetchL1(gp.ep_scale + expert * 3);
-      if constexpr (kPh == 0) {
-        const int64_t at =
-            static_cast<int64_t>(expert) * g1.out_valid + min(tile * 8 + g, g1.out_valid - 1);
-        PrefetchL1(g1.bias_a + at);
-        PrefetchL1(g1.bias_b + at);
-      } else {
-        PrefetchL1(g2.bias_a + static_cast<int64_t>(expert) * g2.out_valid +
-                   min(tile * kTileRows + g, g2.out_valid - 1));
-        PrefetchL1(g2.fold_ids + token * g2.fold_top_k);
-        if (((routes_ready >> ri) & 1u) == 0) {  // ri < kMaxLayerRoutes = 64
-          // Every GEMM1 tile of the route has written its act columns.
-          if (lane == 0) {
-            while (LoadRelaxed(p.ready + ri) < L.tiles[0]) __nanosleep(32);
-            (void)LoadAcquire(p.ready + ri);
-          }
-          __syncwarp();
-          routes_ready |= uint64_t{1} << ri;
-        }
-      }
-      // B: GEMM1 the token's staged hidden row, GEMM2 the route's act row (written by other
-      // CTAs of this grid: read from L2); lanes g > 0 (MMA columns without a token) use zeros.
-      const uint4* b_at =
-          (kPh == 0 ? reinterpret_cast<const uint4*>(g1.b_rows) +
-                          static_cast<int64_t>(token) * x_vectors_per_row
-                    : reinterpret_cast<const uint4*>(g2.b_rows) +
-                          static_cast<int64_t>(route) * act_vectors_per_row) +
-          pos.k * kActChunkVectors + 2 * t;
-      float acc[1][1][4], acc_hi[1][1][4];
-      ZeroAccumulators<1, 1>(acc);
-      ZeroAccumulators<1, 1>(acc_hi);
-      // Ping-pong B buffers (a group has an even number of chunks, so chunk i uses b[i & 1]).
-      // Lanes g > 0 keep zeros: MMA columns 1..7 have no token (their sums are never read).
-      uint4 b[2][2][1];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) b[i][0][0] = b[i][1][0] = make_uint4(0, 0, 0, 0);
-      LoadBPair<kPh>(b_lanes, b_at, b[0][0][0], b[0][1][0]);
-      for (int done = 0; done < len; done += kGroup) {
-        const int cnt = min(kGroup, len - done);
-        MbarrierWait(bar_at, parity);
-#pragma unroll
-        for (int c = 0; c < kGroup; ++c) {
-          if (c >= cnt) break;
-          uint4 v[1];
-          Scale sc[1];
-          v[0] = LoadShared16(slot_at + my_v + c * kChunkBytes);
-          sc[0] = LoadScale<Scale>(slot_at + my_s + c * kScaleBytes);
-          b_at += kActChunkVectors;
-          LoadBPair<kPh>(b_lanes && done + c + 1 < len, b_at, b[(c + 1) & 1][0][0],
-                         b[(c + 1) & 1][1][0]);
-          MultiplyHalfChunk<Fmt, 1, 1>(v, sc, 0, b[c & 1][0], acc);
-          MultiplyHalfChunk<Fmt, 1, 1>(v, sc, 1, b[c & 1][1], acc_hi);
-        }
-        __syncwarp();  // every lane is done with the slot
-        if (lane == 0) issue_into(slot);
-        slot_at += slot_bytes;
-        bar_at += 8;
-        if (++slot == stages) {
-          slot = 0;
-          slot_at = ring;
-          bar_at = bars;
-          parity ^= 1u;
-        }
-      }
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[0][0][e] += acc_hi[0][0][e];
-      const bool mine_first = first_piece;
-      first_piece = false;
-      pos.Advance(s, len);
-      if (len != s.chunks) {
-        // A tile cut between warps: hand in this piece; the last piece's warp adds them all.
-        const int64_t tile_u = (static_cast<int64_t>(ri) * s.tiles + tile) * s.chunks;
-        const int wf = s.WarpOf(tile_u), wl = s.WarpOf(tile_u + s.chunks - 1);
-        float4* const parts = reinterpret_cast<float4*>(p.partials) + static_cast<int64_t>(kPh) * all_warps * 2 * kWarpLanes;
-        __stcg(parts + (static_cast<int64_t>(gw) * 2 + (mine_first ? 0 : 1)) * kWarpLanes + lane,
-               make_float4(acc[0][0][0], acc[0][0][1], acc[0][0][2], acc[0][0][3]));
-        if (!kLight) __threadfence();
-        __syncwarp();
-        int arrived = 0;
-        if (lane == 0) {
-          arrived = kLight ? AddAcqRel(piece_counts + kPh * all_warps + wf, 1)
-                           : atomicAdd(piece_counts + kPh * all_warps + wf, 1);
-        }
-        arrived = __shfl_sync(0xffffffffu, arrived, 0);
-        if (arrived != wl - wf) continue;
-        if (!kLight) __threadfence();  // the other pieces' stores, before the reads below
-        __syncwarp();
-        float sum[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int w = wf; w <= wl; ++w) {
-          float4 x;
-          if (w == gw) {
-            x = make_float4(acc[0][0][0], acc[0][0][1], acc[0][0][2], acc[0][0][3]);
-          } else {
-            const int piece_slot = s.Begin(w) >= tile_u ? 0 : 1;
-            x = __ldcg(parts + (static_cast<int64_t>(w) * 2 + piece_slot) * kWarpLanes + lane);
-          }
-          sum[0] += x.x;
-          sum[1] += x.y;
-          sum[2] += x.z;
-          sum[3] += x.w;
-        }
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[0][0][e] = sum[e];
-      }
-      const ExpertItem item{expert, route, 1, 0};
-      if constexpr (kPh == 0) {
-        EpilogueAct<1, 1>(g1, item, tile, lane, acc);
-        if (!kLight) __threadfence();
-        __syncwarp();
-        if (lane == 0) AddRelease(p.ready + ri, 1);
-      } else {
-        EpilogueY<1, 1>(g2, item, tile, lane, acc);
-        __threadfence();  // this lane's y stores, before the counts
-        FoldCombine(g2, token, tile, lane);
-      }
-    }
-  };
-  consume(Ph0{});
-  // GEMM1 tiles past the packed ones (zero act columns, L.tiles[0] > g1.tiles): no weights,
-  // only the epilogue, spread over the warps.
-  {
-    const int extra = L.tiles[0] - g1.tiles;
-    for (int x = gw; x < routes * extra; x += all_warps) {
-      const int ri = x / extra;
-      float acc[1][1][4];
-      ZeroAccumulators<1, 1>(acc);
-      const ExpertItem item{route_list[1 + kMaxLayerRoutes + ri], route_list[1 + ri], 1, 0};
-      EpilogueAct<1, 1>(g1, item, g1.tiles + (x - ri * extra), lane, acc);
-      __threadfence();
-      __syncwarp();
-      if (lane == 0) AddRelease(p.ready + ri, 1);
-    }
-  }
-  Trace(p, 2);
-  Trace(p, 3);
-  Trace(p, 4);
-  consume(Ph1{});
-  Trace(p, 5);
-}
-
 int Align128(int64_t bytes) { return static_cast<int>((bytes + 127) / 128 * 128); }
 
 struct DeviceLimits {
@@ -784,7 +433,7 @@ bool Limits(DeviceLimits& out) {
 
 // The layout for these sizes, or false when it does not fit.
 bool PlanLayout(Fp4Format format, int tokens, int routes, int hidden_chunks, int act_cols,
-                int w13_tiles, int w2_tiles, int w2_chunks, const DeviceLimits& dev, bool ranges,
+                int w13_tiles, int w2_tiles, int w2_chunks, const DeviceLimits& dev,
                 LayerLayout& L) {
   if (tokens <= 0 || routes <= 0 || routes > kMaxLayerRoutes || dev.sms <= 0) return false;
   if (act_cols % kChunkK != 0 || w2_chunks * kChunkK != act_cols) return false;
@@ -805,42 +454,35 @@ bool PlanLayout(Fp4Format format, int tokens, int routes, int hidden_chunks, int
   }
   L.slot_bytes = kGroup * (kChunkBytes + scale_bytes);
   int at = 0;
-  // Warp ranges read the B rows from global memory and add no slices in shared memory.
   L.x_off = at;
-  if (!ranges) at += Align128(static_cast<int64_t>(tokens) * hidden_chunks * kChunkK * 2);
+  at += Align128(static_cast<int64_t>(tokens) * hidden_chunks * kChunkK * 2);
   L.act_off = at;
-  if (!ranges) at += Align128(static_cast<int64_t>(routes) * act_cols * 2);
+  at += Align128(static_cast<int64_t>(routes) * act_cols * 2);
   L.red_off = at;
-  at += !ranges && (L.ks[0] > 1 || L.ks[1] > 1) ? kWarps * 4 * kWarpLanes * 4 : 0;
+  at += (L.ks[0] > 1 || L.ks[1] > 1) ? kWarps * 4 * kWarpLanes * 4 : 0;
   L.bar_off = at;
-  const int warps = ranges ? kRangeWarps : kWarps;
-  at += warps * kMaxStages * 8;
+  at += kWarps * kMaxStages * 8;
   L.route_off = at;
   at += Align128((2 * kMaxLayerRoutes + 1) * 4);
   L.zero_off = at;
   at += 128;
-  L.cursor_off = at;
-  at += ranges ? kExpertLayerWarps * 32 : 0;
   const int room = dev.smem - at;
-  L.stages = std::min(kMaxStages, room / (warps * L.slot_bytes));
+  L.stages = std::min(kMaxStages, room / (kWarps * L.slot_bytes));
   if (L.stages < kMinStages) return false;
   // The rings first (the bulk copies' destinations are then 128-byte aligned).
-  const int stage_bytes = warps * L.stages * L.slot_bytes;
+  const int stage_bytes = kWarps * L.stages * L.slot_bytes;
   L.x_off += stage_bytes;
   L.act_off += stage_bytes;
   L.red_off += stage_bytes;
   L.bar_off += stage_bytes;
   L.route_off += stage_bytes;
   L.zero_off += stage_bytes;
-  L.cursor_off += stage_bytes;
   L.smem_bytes = at + stage_bytes;
   return L.smem_bytes <= dev.smem;
 }
 
 cudaError_t ConfigureKernels(int smem) {
-  for (auto kernel : {&ExpertLayerKernel<Mxfp4>, &ExpertLayerKernel<Nvfp4>,
-                      &ExpertLayerRangesKernel<Mxfp4, false>, &ExpertLayerRangesKernel<Nvfp4, false>,
-                      &ExpertLayerRangesKernel<Mxfp4, true>, &ExpertLayerRangesKernel<Nvfp4, true>}) {
+  for (auto kernel : {&ExpertLayerKernel<Mxfp4>, &ExpertLayerKernel<Nvfp4>}) {
     if (cudaError_t e =
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         e != cudaSuccess) {
@@ -853,34 +495,20 @@ cudaError_t ConfigureKernels(int smem) {
 }  // namespace
 
 bool ExpertLayerFits(Fp4Format format, int tokens, int routes, int hidden_chunks, int act_cols,
-                     int w13_tiles, int w2_tiles, int w2_chunks, int* sms, bool ranges) {
+                     int w13_tiles, int w2_tiles, int w2_chunks, int* sms) {
   DeviceLimits dev;
   LayerLayout L;
   if (!Limits(dev)) return false;
   if (sms != nullptr) *sms = dev.sms;
   return PlanLayout(format, tokens, routes, hidden_chunks, act_cols, w13_tiles, w2_tiles, w2_chunks,
-                    dev, ranges, L);
-}
-
-int64_t ExpertLayerCounterWords() {
-  DeviceLimits dev;
-  if (!Limits(dev)) return 0;
-  return kMaxLayerRoutes + 2 * static_cast<int64_t>(dev.sms) * kWarps;
-}
-
-int64_t ExpertLayerPartialFloats() {
-  DeviceLimits dev;
-  if (!Limits(dev)) return 0;
-  // [GEMM][warp][first or last piece of its range][lane][4]
-  return 2 * static_cast<int64_t>(dev.sms) * kWarps * 2 * kWarpLanes * 4;
+                    dev, L);
 }
 
 cudaError_t LaunchExpertLayer(const ExpertLayerParams& p, Fp4Format format, bool programmatic,
                               cudaStream_t stream) {
   const ExpertGemmParams& g1 = p.g1;
   const ExpertGemmParams& g2 = p.g2;
-  if (g1.direct_ids == nullptr || g2.fold_counters == nullptr || p.ready == nullptr ||
-      (p.ranges != 0 && p.partials == nullptr)) {
+  if (g1.direct_ids == nullptr || g2.fold_counters == nullptr || p.ready == nullptr) {
     return cudaErrorInvalidValue;
   }
   DeviceLimits dev;
@@ -888,7 +516,7 @@ cudaError_t LaunchExpertLayer(const ExpertLayerParams& p, Fp4Format format, bool
   const int routes = ExpertLayerRoutes(g1.direct_tokens, g1.direct_top_k, g1.direct_shared);
   LayerLayout L;
   if (!PlanLayout(format, g1.direct_tokens, routes, g1.chunks, g1.out_cols, g1.tiles, g2.tiles,
-                  g2.chunks, dev, p.ranges != 0, L)) {
+                  g2.chunks, dev, L)) {
     return cudaErrorInvalidValue;
   }
   static std::atomic<uint64_t> configured{0};
@@ -898,7 +526,7 @@ cudaError_t LaunchExpertLayer(const ExpertLayerParams& p, Fp4Format format, bool
   }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(dev.sms));
-  config.blockDim = dim3(p.ranges != 0 ? kRangeWarps * kWarpLanes : kThreads);
+  config.blockDim = dim3(kThreads);
   config.dynamicSmemBytes = static_cast<size_t>(L.smem_bytes);
   config.stream = stream;
   cudaLaunchAttribute attr[2];
@@ -913,14 +541,6 @@ cudaError_t LaunchExpertLayer(const ExpertLayerParams& p, Fp4Format format, bool
   }
   config.attrs = attr;
   config.numAttrs = n;
-  if (p.ranges != 0) {
-    const bool light = p.ranges == 2;
-    const bool mx = format == Fp4Format::kMxfp4;
-    return light ? (mx ? cudaLaunchKernelEx(&config, &ExpertLayerRangesKernel<Mxfp4, true>, p, L)
-                       : cudaLaunchKernelEx(&config, &ExpertLayerRangesKernel<Nvfp4, true>, p, L))
-                 : (mx ? cudaLaunchKernelEx(&config, &ExpertLayerRangesKernel<Mxfp4, false>, p, L)
-                       : cudaLaunchKernelEx(&config, &ExpertLayerRangesKernel<Nvfp4, false>, p, L));
-  }
   return format == Fp4Format::kMxfp4 ? cudaLaunchKernelEx(&config, &ExpertLayerKernel<Mxfp4>, p, L)
                                      : cudaLaunchKernelEx(&config, &ExpertLayerKernel<Nvfp4>, p, L);
 }

@@ -240,11 +240,7 @@ absl::Status ExpertRunner::Reserve(const DeviceExpertLayer& layer, const RoutePl
       {act_, std::max<size_t>(routes, static_cast<size_t>(std::max<int64_t>(plan.y_rows, 1))) *
                  static_cast<size_t>(layer.inter_padded) * 2},
       {y_, static_cast<size_t>(std::max<int64_t>(plan.y_rows, 1) * layer.hidden) * 4},
-      {ready_, static_cast<size_t>(std::max<int64_t>(ExpertLayerCounterWords(),
-                                                     kMaxLayerRoutes)) * sizeof(int32_t)},
-      {layer_partials_,
-       static_cast<size_t>(layer_ranges_ != 0 ? std::max<int64_t>(ExpertLayerPartialFloats(), 1) : 1) *
-           sizeof(float)},
+      {ready_, kMaxLayerRoutes * sizeof(int32_t)},
   };
   for (const auto& w : wants) {
     const void* before = w.buf.get();
@@ -371,8 +367,7 @@ ExpertRunner::Decisions ExpertRunner::Decide(const DeviceExpertLayer& layer,
     int sms = 0;
     d.layer = ExpertLayerFits(layer.format, static_cast<int>(plan.tokens), routes,
                               layer.w13.chunks, static_cast<int>(layer.inter_padded),
-                              layer.w13.tiles, layer.w2.tiles, layer.w2.chunks, &sms,
-                              layer_ranges_ != 0);
+                              layer.w13.tiles, layer.w2.tiles, layer.w2.chunks, &sms);
     if (d.layer && fused_layer_ == kFusedLayerAuto) {
       // Weight bytes one route streams: both GEMMs' codes and scales of one expert slot.
       const int64_t scale_bytes = layer.format == Fp4Format::kMxfp4 ? 4 : 16;
@@ -416,7 +411,7 @@ std::string ExpertRunner::ShapeKey(const DeviceExpertLayer& layer, const DeviceB
   return absl::StrCat(reinterpret_cast<uintptr_t>(&layer), ":", plan.tokens, ":", plan.top_k,
                       ":", plan.num_shared, ":", d.plan.token_groups, ":", d.variant, ":",
                       d.wgmma, d.few, d.direct, d.fold, d.hidden_in_place, d.l2_ahead,
-                      d.persistent, d.even_items, d.layer, d.layer ? layer_ranges_ : 0,
+                      d.persistent, d.even_items, d.layer,
                       ":", d.ready_target, ":", d.acc_scale, ":",
                       d.grid_items, ":", batch.hidden_bf16, batch.out_bf16,
                       batch.shared_mask != nullptr);
@@ -462,9 +457,7 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
   pro.even_items = d.even_items;
   if (d.layer) {
     pro.zero_words = ready_.as<int32_t>();
-    pro.zero_word_count = layer_ranges_ != 0
-                              ? static_cast<int32_t>(ExpertLayerCounterWords())
-                              : ExpertLayerRoutes(pro.tokens, pro.top_k, plan.num_shared);
+    pro.zero_word_count = ExpertLayerRoutes(pro.tokens, pro.top_k, plan.num_shared);
   }
   const bool hidden_in_place = d.hidden_in_place;
   pro.stage_hidden = !hidden_in_place;
@@ -589,8 +582,6 @@ absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceB
     lp.g1 = g1;
     lp.g2 = g2;
     lp.ready = ready_.as<int32_t>();
-    lp.ranges = layer_ranges_;
-    lp.partials = layer_partials_.as<float>();
     lp.trace = layer_trace_;
     const cudaError_t err = LaunchExpertLayer(lp, layer.format, launch.programmatic, stream);
     if (err == cudaSuccess) {

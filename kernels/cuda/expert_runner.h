@@ -206,9 +206,6 @@ class ExpertRunner {
   static constexpr int kFusedLayerMinChunks = 64;
   static constexpr int64_t kFusedLayerMinBytesPerSm = int64_t{3} << 19;  // 1.5 MiB
   void set_fused_layer(int mode) { fused_layer_ = mode; }
-  // The fused layer kernel's work split (ExpertLayerParams::ranges): false, rounds of tiles per
-  // CTA with K-split barriers; true, one contiguous chunk range per warp.
-  void set_layer_ranges(int mode) { layer_ranges_ = mode; }
   // Two-grid batches on the mma.sync kernels under programmatic launch: GEMM2's CTAs wait per
   // item for GEMM1's warps of that item (ExpertGemmParams::item_ready) instead of for the whole
   // GEMM1 grid. kItemReadyAuto (the default): where GEMM1's grid fills kItemReadyMinWaves to
@@ -287,7 +284,6 @@ class ExpertRunner {
   int item_ready_mode_ = kItemReadyAuto;
   bool acc_scale_ = false;
   int fused_layer_ = kFusedLayerAuto;
-  int layer_ranges_ = 0;
   // Set when a cooperative launch of the fused layer kernel was refused (not all of its CTAs
   // could be resident): later batches do not try again.
   bool layer_unavailable_ = false;
@@ -309,7 +305,6 @@ class ExpertRunner {
   DeviceBuffer group_scratch_;  // ExpertPrologueParams::group_scratch, zero when allocated
   DeviceBuffer fold_counters_;  // zero between batches (the folded combine resets what it uses)
   DeviceBuffer ready_;  // ExpertLayerParams::ready (zeroed by each batch's prologue)
-  DeviceBuffer layer_partials_;  // ExpertLayerParams::partials
   // ExpertGemmParams::item_ready: zero when allocated, and GEMM2 leaves it at zero; dirty when a
   // GEMM2 launch failed after its GEMM1 (cleared before the next batch that uses it).
   DeviceBuffer item_ready_;

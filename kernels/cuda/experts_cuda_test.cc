@@ -52,7 +52,6 @@ struct BackendCase {
   int item_ready = 1;         // CudaBackendOptions::item_ready
   bool acc_scale = false;     // CudaBackendOptions::acc_scale
   int persistent = -1;        // CudaBackendOptions::wgmma_persistent
-  int layer_ranges = 0;       // CudaBackendOptions::fused_layer_ranges
 };
 const BackendCase kBackendCases[] = {
     {0, true, 0},  {1, true, 0},  {2, true, 0},  {3, true, 0},        {4, true, 0},
@@ -64,10 +63,8 @@ const BackendCase kBackendCases[] = {
     {-1, true, -1, -1, false, true, false, -1, -1},  // the backend's defaults
     // wgmma variant 0 with the hidden rows staged and y in F32, and with L2 ahead.
     {0, true, 1, -1, false, false}, {0, true, 1, -1, false, true, true},
-    // The defaults with the fused layer kernel for every direct batch that fits, in its rounds
-    // split and in its warp ranges.
+    // The defaults with the fused layer kernel for every direct batch that fits.
     {-1, true, -1, -1, false, true, false, 1},
-    {-1, true, -1, -1, false, true, false, 1, 1, false, -1, 2},
     // The defaults with GEMM2 waiting for the whole GEMM1 grid instead of per item.
     {-1, true, -1, -1, false, true, false, -1, 0},
     // wgmma variant 0 with persistent CTAs for every format, and with one tile per CTA for every
@@ -250,7 +247,7 @@ class ExpertsCudaTest : public ::testing::TestWithParam<LayerCase> {
   void SetUp() override {
     std::string why;
     if (cuda::DeviceCount(&why) == 0) GTEST_SKIP() << why;
-    static_assert(sizeof(kBackendCases) / sizeof(kBackendCases[0]) == kGemmVariants + 16);
+    static_assert(sizeof(kBackendCases) / sizeof(kBackendCases[0]) == kGemmVariants + 15);
     for (const BackendCase& bc : kBackendCases) {
       CudaBackendOptions options;
       options.poison_scratch = true;
@@ -265,7 +262,6 @@ class ExpertsCudaTest : public ::testing::TestWithParam<LayerCase> {
       options.item_ready = bc.item_ready;
       options.acc_scale = bc.acc_scale;
       options.wgmma_persistent = bc.persistent;
-      options.fused_layer_ranges = bc.layer_ranges;
       absl::StatusOr<std::unique_ptr<ExpertBackend>> b = MakeCudaExpertBackend(options);
       ASSERT_TRUE(b.ok()) << b.status();
       backends_.push_back(*std::move(b));
@@ -326,7 +322,6 @@ TEST_P(ExpertsCudaTest, MatchesReference) {
                   : kBackendCases[variant].fold_grouped ? "f"
                   : !kBackendCases[variant].byte_savers ? "o"
                   : kBackendCases[variant].l2_ahead     ? "a"
-                  : kBackendCases[variant].layer_ranges != 0 ? "R"
                   : kBackendCases[variant].fused_layer == 1 ? "F"
                   : kBackendCases[variant].item_ready == 0 ? "W"
                   : kBackendCases[variant].acc_scale      ? "s"
