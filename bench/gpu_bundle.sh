@@ -12,8 +12,8 @@
 #
 # .bundle/ (or $BUNDLE_DIR, so several bundles can sit side by side) is git-ignored; hand it to
 # the device tool as a carried path. BUNDLE_TARGETS picks the binaries (default: all of
-# device_test backend_test experts_cuda_test staging_cuda_test cuda_backend_versions_test
-# cuda_ipc_test kernel_bench staging_bench). Each but device_test holds the same ~17 MB kernel
+# device_test backend_test experts_cuda_test staging_cuda_test device_copy_cuda_test
+# cuda_backend_versions_test cuda_ipc_test kernel_bench staging_bench). Each but device_test holds the same ~17 MB kernel
 # fatbin (the seven targets before backend_test stripped were ~127 MB); xz with a dictionary
 # larger than the archive stores the repeated fatbin once (~16 MB, against ~60 MB with xz's
 # default 8 MiB dictionary; unpacking needs ~200 MB of memory). `make` refuses an archive over
@@ -25,7 +25,7 @@ B="${BUNDLE_DIR:-.bundle}"
 mode="${1:-}"
 shift || true
 
-ALL_TARGETS=(device_test backend_test experts_cuda_test staging_cuda_test
+ALL_TARGETS=(device_test backend_test experts_cuda_test staging_cuda_test device_copy_cuda_test
   cuda_backend_versions_test cuda_ipc_test kernel_bench staging_bench)
 
 label_of() {
@@ -86,6 +86,7 @@ run_bundle() {
   }
   run_logged backend_test 60 "FAILED|PASSED|Failure"
   run_logged staging_cuda_test 60 "FAILED|PASSED|Failure"
+  run_logged device_copy_cuda_test 60 "FAILED|PASSED|Failure"
   run_logged cuda_backend_versions_test 150 "FAILED|PASSED|Failure|during upload"
   run_logged cuda_ipc_test 120 "FAILED|PASSED|Failure|client:"
   run_logged experts_cuda_test 240 "FAILED|PASSED|Failure|error"

@@ -388,10 +388,11 @@ double TargetFor(char problem, int64_t tokens) {
 
 // CudaExpertBackend::Run wall time (host inputs in, host output back) at each of
 // --backend_tokens: the defaults (CUDA graphs for repeated shapes, one pinned staging buffer
-// filled and emptied by several threads) against launches one by one with pageable per-tensor
+// filled and emptied by several threads, moved by copy kernels up to kernel_copy_max_bytes)
+// against the copy engine for every pinned batch, launches one by one with pageable per-tensor
 // copies, the defaults with one copy thread and the defaults without graphs, in alternating
-// rounds over 8
-// routings per token count (so the graphs see several item counts). Returns the JSON rows.
+// rounds over 8 routings per token count (so the graphs see several item counts), with each
+// configuration's mean host time per Run step (CudaBackendCounters). Returns the JSON rows.
 nlohmann::json TimeBackend(const ProblemLayer& problem) {
   nlohmann::json rows = nlohmann::json::array();
   const std::string list = absl::GetFlag(FLAGS_backend_tokens);
@@ -403,6 +404,8 @@ nlohmann::json TimeBackend(const ProblemLayer& problem) {
   one_thread_options.copy_threads = 1;
   CudaBackendOptions no_graph_options;
   no_graph_options.graph_max_tokens = 0;
+  CudaBackendOptions dma_options;  // the copy engine for every pinned batch
+  dma_options.kernel_copy_max_bytes = 0;
   CudaBackendOptions pdl_graph_options;
   pdl_graph_options.graph_max_tokens = 512;
   pdl_graph_options.graph_programmatic_launch = true;
@@ -410,6 +413,7 @@ nlohmann::json TimeBackend(const ProblemLayer& problem) {
     const char* name;
     CudaBackendOptions options;
   } configs[] = {{"default", CudaBackendOptions{}},
+                 {"dma_copies", dma_options},
                  {"eager_pageable", plain_options},
                  {"pinned_one_copy_thread", one_thread_options},
                  {"pinned_eager", no_graph_options},
@@ -442,6 +446,8 @@ nlohmann::json TimeBackend(const ProblemLayer& problem) {
         if (out != first_out) BENCH_CHECK_OK(absl::InternalError("backend outputs differ"));
       }
     }
+    std::vector<CudaBackendCounters> before;
+    for (const auto& backend : backends) before.push_back(GetCudaBackendCounters(*backend));
     for (int round = 0; round < absl::GetFlag(FLAGS_backend_rounds); ++round) {
       for (size_t b = 0; b < backends.size(); ++b) {
         for (int i = 0; i < absl::GetFlag(FLAGS_backend_runs); ++i) {
@@ -461,15 +467,35 @@ nlohmann::json TimeBackend(const ProblemLayer& problem) {
       const Stats st = Summarize(us[b]);
       const CudaBackendCounters n = GetCudaBackendCounters(*backends[b]);
       std::printf(" %s median %8.1f us (p10 %8.1f p90 %8.1f) [eager %lld, captures %lld, replays "
-                  "%lld, pinned %lld];",
+                  "%lld, pinned %lld, kernel copies %lld];",
                   configs[b].name, st.median, st.p10, st.p90, static_cast<long long>(n.eager_runs),
                   static_cast<long long>(n.graph_captures), static_cast<long long>(n.graph_replays),
-                  static_cast<long long>(n.pinned_runs));
+                  static_cast<long long>(n.pinned_runs), static_cast<long long>(n.kernel_copy_runs));
+      // Mean host time per timed Run in each step (CudaBackendCounters).
+      const double runs = static_cast<double>(us[b].size());
+      const auto mean_us = [&](int64_t after, int64_t start) {
+        return runs > 0 ? static_cast<double>(after - start) / runs / 1e3 : 0.0;
+      };
+      const CudaBackendCounters& n0 = before[b];
+      const nlohmann::json steps = {
+          {"prepare", mean_us(n.prepare_ns, n0.prepare_ns)},
+          {"copy_in", mean_us(n.copy_in_ns, n0.copy_in_ns)},
+          {"enqueue", mean_us(n.enqueue_ns, n0.enqueue_ns)},
+          {"copy_out_submit", mean_us(n.copy_out_submit_ns, n0.copy_out_submit_ns)},
+          {"wait", mean_us(n.wait_ns, n0.wait_ns)},
+          {"copy_out_host", mean_us(n.copy_out_host_ns, n0.copy_out_host_ns)}};
+      std::printf(" steps (mean us: prepare %.1f, copy in %.1f, enqueue %.1f, copy out submit "
+                  "%.1f, wait %.1f, copy out host %.1f);",
+                  steps["prepare"].get<double>(), steps["copy_in"].get<double>(),
+                  steps["enqueue"].get<double>(), steps["copy_out_submit"].get<double>(),
+                  steps["wait"].get<double>(), steps["copy_out_host"].get<double>());
       row[configs[b].name] = {{"wall", ToJson(st)},
                               {"eager_runs", n.eager_runs},
                               {"graph_captures", n.graph_captures},
                               {"graph_replays", n.graph_replays},
-                              {"pinned_runs", n.pinned_runs}};
+                              {"pinned_runs", n.pinned_runs},
+                              {"kernel_copy_runs", n.kernel_copy_runs},
+                              {"steps_mean_us", steps}};
     }
     std::printf("\n");
     rows.push_back(row);
@@ -871,7 +897,9 @@ int Main() {
          "wall time of CudaExpertBackend::Run (host inputs to host output), median over "
          "--backend_rounds alternating rounds x --backend_runs runs cycling over 8 routings; "
          "default: CUDA graphs for repeated shapes + one pinned staging buffer, host copies on "
-         "CudaBackendOptions::copy_threads threads; eager_pageable: kernels launched one by one, "
+         "CudaBackendOptions::copy_threads threads, moved by copy kernels up to "
+         "kernel_copy_max_bytes; dma_copies: the copy engine for every pinned batch; "
+         "eager_pageable: kernels launched one by one, "
          "pageable per-tensor copies; pinned_one_copy_thread: the default with one copy thread; "
          "pinned_eager: the default without graphs (kernels launched one by one, programmatic "
          "dependent launch on); graphs_pdl_512: graphs up to 512 tokens captured with "

@@ -1,8 +1,10 @@
 // CudaExpertBackend: ExpertBackend over expert_runner.h. Host code (abseil allowed), no device
-// code. Each Run copies the inputs to one device buffer on a private stream (small batches through
-// one pinned host buffer, large ones straight from the caller's pageable memory), runs the kernels
-// (as a CUDA graph for shapes seen before, see CudaBackendOptions::graph_max_tokens) and returns
-// after the output is back in the caller's memory.
+// code. Each Run copies the inputs to one device buffer on a private stream (batches up to
+// CudaBackendOptions::pinned_staging_bytes through one pinned host buffer, which copy kernels
+// move to and from the device up to kernel_copy_max_bytes and the copy engine above; larger ones
+// straight from the caller's pageable memory), runs the kernels (as a CUDA graph for shapes seen
+// before, see graph_max_tokens; such a graph holds the copy kernels too) and returns after the
+// output is back in the caller's memory.
 //
 // Device weights are kept per (layer index, host weights): during a two-phase placement switch
 // the shard serves the old and the new map version at once, so PrepareLayer for the new version
@@ -15,6 +17,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <deque>
 #include <memory>
@@ -39,6 +42,15 @@ namespace {
 
 using cuda::CudaStatus;
 using cuda::DeviceBuffer;
+
+using RunClock = std::chrono::steady_clock;
+
+// Nanoseconds from `since` to now, added to *sum; returns now.
+RunClock::time_point AddElapsed(RunClock::time_point since, int64_t* sum) {
+  const RunClock::time_point now = RunClock::now();
+  *sum += std::chrono::duration_cast<std::chrono::nanoseconds>(now - since).count();
+  return now;
+}
 
 // What identifies the host weights a device copy was uploaded from: format, shapes and the
 // addresses of every expert's packed values (read as numbers, never dereferenced).
@@ -87,6 +99,11 @@ class CudaExpertBackend final : public ExpertBackend {
     copy_pool_ = std::make_unique<cpu::ThreadPool>(
         std::clamp(options_.copy_threads > 0 ? options_.copy_threads : std::min(8, hardware), 1,
                    64));
+    int can_map = 0;
+    can_map_host_ = cudaDeviceGetAttribute(&can_map, cudaDevAttrCanMapHostMemory,
+                                           options_.device) == cudaSuccess &&
+                    can_map != 0;
+    cudaGetLastError();  // clears a non-sticky error of the query
     if (options_.upload_threads <= 0) {
       options_.upload_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     }
@@ -177,12 +194,27 @@ class CudaExpertBackend final : public ExpertBackend {
     size_t total = 0;
   };
   static ArenaLayout Layout(const ExpertsRequest& request, bool with_mask);
-  // Copies the inputs into the device arena (through the pinned buffer when `pinned`).
+  // How a pinned batch moves between the pinned buffer and the device arena: by the copy engine,
+  // by copy kernels (LaunchCopyBytes: the SMs read and write the mapped host memory), or by copy
+  // kernels enqueued with the batch's kernels (one piece, a graphed shape: inside its graph).
+  enum class Moves { kCopyEngine, kKernels, kKernelsWithBatch };
+  // The two copy kernels of a kKernelsWithBatch batch.
+  struct BatchMoves {
+    const uint8_t* in_from = nullptr;
+    uint8_t* in_to = nullptr;
+    size_t in_bytes = 0;
+    const uint8_t* out_from = nullptr;
+    uint8_t* out_to = nullptr;
+    size_t out_bytes = 0;
+  };
+  // Copies the inputs into the device arena (through the pinned buffer when `pinned`; with
+  // kKernelsWithBatch only into the pinned buffer).
   absl::Status CopyIn(const ExpertsRequest& request, bool with_mask, const ArenaLayout& at,
-                      bool pinned) ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
-  // Copies the output back (through the pinned buffer when `pinned`) and waits for it.
-  absl::Status CopyOut(const ExpertsRequest& request, const ArenaLayout& at, bool pinned)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
+                      bool pinned, Moves moves) ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
+  // Copies the output back (through the pinned buffer when `pinned`; with kKernelsWithBatch the
+  // move to it is already enqueued) and waits for it.
+  absl::Status CopyOut(const ExpertsRequest& request, const ArenaLayout& at, bool pinned,
+                       Moves moves) ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
   // Pieces of the pinned copies: the host copies one while the DMA engine moves the previous.
   static constexpr size_t kCopyPieceBytes = size_t{4} << 20;
   static constexpr size_t kMaxSeenShapes = 4096;
@@ -190,11 +222,17 @@ class CudaExpertBackend final : public ExpertBackend {
   static constexpr int kNoGraph = -(1 << 30);
   // Captures the kernels of this batch into *exec (instantiated); nothing runs.
   absl::Status Capture(const cuda::DeviceExpertLayer& layer, const cuda::DeviceBatch& batch,
-                       const cuda::RoutePlan& plan, cudaGraphExec_t* exec)
+                       const cuda::RoutePlan& plan, const BatchMoves* moves,
+                       cudaGraphExec_t* exec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
+  // The batch's kernels, between its copy kernels when `moves` is not null.
+  absl::Status EnqueueBatch(const cuda::DeviceExpertLayer& layer, const cuda::DeviceBatch& batch,
+                            const cuda::RoutePlan& plan, const BatchMoves* moves)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
-  // Enqueues the kernels: eagerly, or through a graph captured for the batch's shape.
+  // Enqueues the kernels (and `moves`): eagerly, or through a graph captured for the batch's
+  // shape.
   absl::Status EnqueueKernels(const cuda::DeviceExpertLayer& layer, const cuda::DeviceBatch& batch,
-                              const cuda::RoutePlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
+                              const cuda::RoutePlan& plan, const BatchMoves* moves)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
   void ClearGraphs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
 
   CudaBackendOptions options_;
@@ -208,6 +246,10 @@ class CudaExpertBackend final : public ExpertBackend {
   cuda::ExpertRunner runner_ ABSL_GUARDED_BY(run_mu_);
   DeviceBuffer arena_ ABSL_GUARDED_BY(run_mu_);
   uint8_t* pinned_ ABSL_GUARDED_BY(run_mu_) = nullptr;  // cudaHostAlloc'd, pinned_bytes_ long
+  // The same memory as the device addresses it (mapped): the copy kernels' side of it. Null
+  // where the device cannot map host memory (then the copy engine moves every batch).
+  uint8_t* pinned_device_ ABSL_GUARDED_BY(run_mu_) = nullptr;
+  bool can_map_host_ = false;  // cudaDevAttrCanMapHostMemory
   size_t pinned_bytes_ ABSL_GUARDED_BY(run_mu_) = 0;
   // Captured graphs by shape key, and the shapes run eagerly once so far (a shape is captured on
   // its second batch). Valid while the epoch below is unchanged.
@@ -218,8 +260,10 @@ class CudaExpertBackend final : public ExpertBackend {
   std::unordered_map<std::string, Graph> graphs_ ABSL_GUARDED_BY(run_mu_);
   std::unordered_map<std::string, int> seen_ ABSL_GUARDED_BY(run_mu_);
   uint64_t uses_ ABSL_GUARDED_BY(run_mu_) = 0;
-  // (arena pointer, runner scratch generation, layers generation) the graphs were captured with.
+  // (arena pointer, pinned buffer, runner scratch generation, layers generation) the graphs were
+  // captured with.
   const void* graph_arena_ ABSL_GUARDED_BY(run_mu_) = nullptr;
+  const void* graph_pinned_ ABSL_GUARDED_BY(run_mu_) = nullptr;
   uint64_t graph_scratch_ ABSL_GUARDED_BY(run_mu_) = 0;
   uint64_t graph_layers_ ABSL_GUARDED_BY(run_mu_) = 0;
   std::atomic<uint64_t> layers_generation_{0};
@@ -284,7 +328,7 @@ CudaExpertBackend::ArenaLayout CudaExpertBackend::Layout(const ExpertsRequest& r
 }
 
 absl::Status CudaExpertBackend::CopyIn(const ExpertsRequest& request, bool with_mask,
-                                       const ArenaLayout& at, bool pinned) {
+                                       const ArenaLayout& at, bool pinned, Moves moves) {
   const struct {
     size_t offset;
     const TensorView& view;
@@ -319,28 +363,33 @@ absl::Status CudaExpertBackend::CopyIn(const ExpertsRequest& request, bool with_
       ParallelCopy(*copy_pool_, pinned_ + lo,
                    static_cast<const uint8_t*>(in.view.data) + (lo - in.offset), hi - lo);
     }
-    if (absl::Status s = CudaStatus(cudaMemcpyAsync(device + begin, pinned_ + begin, end - begin,
-                                                    cudaMemcpyHostToDevice, stream_),
-                                    "input copy");
-        !s.ok()) {
-      return s;
-    }
+    if (moves == Moves::kKernelsWithBatch) continue;  // enqueued with the kernels
+    const cudaError_t moved =
+        moves == Moves::kKernels
+            ? cuda::LaunchCopyBytes(pinned_device_ + begin, device + begin, end - begin, stream_)
+            : cudaMemcpyAsync(device + begin, pinned_ + begin, end - begin,
+                              cudaMemcpyHostToDevice, stream_);
+    if (absl::Status s = CudaStatus(moved, "input copy"); !s.ok()) return s;
   }
   return absl::OkStatus();
 }
 
 absl::Status CudaExpertBackend::CopyOut(const ExpertsRequest& request, const ArenaLayout& at,
-                                        bool pinned) {
+                                        bool pinned, Moves moves) {
   const size_t bytes = static_cast<size_t>(request.out.NumBytes());
   uint8_t* device = arena_.as<uint8_t>() + at.out;
   auto* out = static_cast<uint8_t*>(request.out.data);
+  RunClock::time_point t = RunClock::now();
   if (!pinned) {
     if (absl::Status s = CudaStatus(
             cudaMemcpyAsync(out, device, bytes, cudaMemcpyDeviceToHost, stream_), "output copy");
         !s.ok()) {
       return s;
     }
-    return CudaStatus(cudaStreamSynchronize(stream_), "expert kernels");
+    t = AddElapsed(t, &counters_.copy_out_submit_ns);
+    const absl::Status synced = CudaStatus(cudaStreamSynchronize(stream_), "expert kernels");
+    AddElapsed(t, &counters_.wait_ns);
+    return synced;
   }
   // Every piece's device-to-host copy, each followed by its event; the host empties piece i as
   // soon as its event fires, while the later pieces are still in flight.
@@ -356,24 +405,30 @@ absl::Status CudaExpertBackend::CopyOut(const ExpertsRequest& request, const Are
   }
   for (size_t i = 0; i < pieces; ++i) {
     const size_t begin = i * kCopyPieceBytes, piece = std::min(kCopyPieceBytes, bytes - begin);
-    if (absl::Status s = CudaStatus(cudaMemcpyAsync(pinned_ + at.out + begin, device + begin,
-                                                    piece, cudaMemcpyDeviceToHost, stream_),
-                                    "output copy");
-        !s.ok()) {
-      return s;
-    }
+    // kKernelsWithBatch: one piece, its move already enqueued with the kernels.
+    const cudaError_t moved =
+        moves == Moves::kKernelsWithBatch ? cudaSuccess
+        : moves == Moves::kKernels
+            ? cuda::LaunchCopyBytes(device + begin, pinned_device_ + at.out + begin, piece,
+                                    stream_)
+            : cudaMemcpyAsync(pinned_ + at.out + begin, device + begin, piece,
+                              cudaMemcpyDeviceToHost, stream_);
+    if (absl::Status s = CudaStatus(moved, "output copy"); !s.ok()) return s;
     if (absl::Status s = CudaStatus(cudaEventRecord(copy_events_[i], stream_), "copy event");
         !s.ok()) {
       return s;
     }
   }
+  t = AddElapsed(t, &counters_.copy_out_submit_ns);
   for (size_t i = 0; i < pieces; ++i) {
     if (absl::Status s = CudaStatus(cudaEventSynchronize(copy_events_[i]), "expert kernels");
         !s.ok()) {
       return s;
     }
+    t = AddElapsed(t, &counters_.wait_ns);
     const size_t begin = i * kCopyPieceBytes, piece = std::min(kCopyPieceBytes, bytes - begin);
     ParallelCopy(*copy_pool_, out + begin, pinned_ + at.out + begin, piece);
+    t = AddElapsed(t, &counters_.copy_out_host_ns);
   }
   return absl::OkStatus();
 }
@@ -384,9 +439,29 @@ void CudaExpertBackend::ClearGraphs() {
   seen_.clear();
 }
 
+absl::Status CudaExpertBackend::EnqueueBatch(const cuda::DeviceExpertLayer& layer,
+                                             const cuda::DeviceBatch& batch,
+                                             const cuda::RoutePlan& plan,
+                                             const BatchMoves* moves) {
+  if (moves != nullptr) {
+    if (absl::Status s = CudaStatus(
+            cuda::LaunchCopyBytes(moves->in_from, moves->in_to, moves->in_bytes, stream_),
+            "input copy");
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (absl::Status s = runner_.Enqueue(layer, batch, plan, stream_); !s.ok()) return s;
+  if (moves == nullptr) return absl::OkStatus();
+  return CudaStatus(
+      cuda::LaunchCopyBytes(moves->out_from, moves->out_to, moves->out_bytes, stream_),
+      "output copy");
+}
+
 absl::Status CudaExpertBackend::Capture(const cuda::DeviceExpertLayer& layer,
                                         const cuda::DeviceBatch& batch,
-                                        const cuda::RoutePlan& plan, cudaGraphExec_t* exec) {
+                                        const cuda::RoutePlan& plan, const BatchMoves* moves,
+                                        cudaGraphExec_t* exec) {
   if (absl::Status s = CudaStatus(
           cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "graph capture");
       !s.ok()) {
@@ -394,7 +469,7 @@ absl::Status CudaExpertBackend::Capture(const cuda::DeviceExpertLayer& layer,
   }
   runner_.set_programmatic_launch(options_.programmatic_launch &&
                                   options_.graph_programmatic_launch);
-  const absl::Status enqueued = runner_.Enqueue(layer, batch, plan, stream_);
+  const absl::Status enqueued = EnqueueBatch(layer, batch, plan, moves);
   runner_.set_programmatic_launch(options_.programmatic_launch);
   cudaGraph_t graph = nullptr;
   const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
@@ -411,7 +486,8 @@ absl::Status CudaExpertBackend::Capture(const cuda::DeviceExpertLayer& layer,
 
 absl::Status CudaExpertBackend::EnqueueKernels(const cuda::DeviceExpertLayer& layer,
                                                const cuda::DeviceBatch& batch,
-                                               const cuda::RoutePlan& plan) {
+                                               const cuda::RoutePlan& plan,
+                                               const BatchMoves* moves) {
   const bool graphs = options_.graph_max_tokens > 0 && plan.tokens <= options_.graph_max_tokens;
   // Graphed shapes round their item grids up, so that routings with nearby item counts share one.
   runner_.set_round_item_grid(graphs);
@@ -420,17 +496,23 @@ absl::Status CudaExpertBackend::EnqueueKernels(const cuda::DeviceExpertLayer& la
   if (absl::Status s = runner_.Reserve(layer, plan); !s.ok()) return s;
   if (!graphs) {
     ++counters_.eager_runs;
-    return runner_.Enqueue(layer, batch, plan, stream_);
+    return EnqueueBatch(layer, batch, plan, moves);
   }
   const uint64_t layers = layers_generation_.load();
-  if (graph_arena_ != arena_.get() || graph_scratch_ != runner_.scratch_generation() ||
-      graph_layers_ != layers) {
+  if (graph_arena_ != arena_.get() || graph_pinned_ != pinned_device_ ||
+      graph_scratch_ != runner_.scratch_generation() || graph_layers_ != layers) {
     ClearGraphs();
     graph_arena_ = arena_.get();
+    graph_pinned_ = pinned_device_;
     graph_scratch_ = runner_.scratch_generation();
     graph_layers_ = layers;
   }
-  const std::string key = runner_.ShapeKey(layer, batch, plan);
+  // With its copy kernels, a graph also holds where they copy (the arena layout of the shape).
+  std::string key = runner_.ShapeKey(layer, batch, plan);
+  if (moves != nullptr) {
+    absl::StrAppend(&key, "|moves:", moves->in_bytes, ":", moves->out_to - pinned_device_, ":",
+                    moves->out_bytes);
+  }
   ++uses_;
   if (auto it = graphs_.find(key); it != graphs_.end()) {
     it->second.last_use = uses_;
@@ -443,10 +525,10 @@ absl::Status CudaExpertBackend::EnqueueKernels(const cuda::DeviceExpertLayer& la
   // First batch of this shape (no capture for one-off shapes), or a shape whose capture failed.
   if (sightings++ <= 0) {
     ++counters_.eager_runs;
-    return runner_.Enqueue(layer, batch, plan, stream_);
+    return EnqueueBatch(layer, batch, plan, moves);
   }
   cudaGraphExec_t exec = nullptr;
-  if (absl::Status s = Capture(layer, batch, plan, &exec); !s.ok()) {
+  if (absl::Status s = Capture(layer, batch, plan, moves, &exec); !s.ok()) {
     // A graph is an optimization: the batch runs eagerly, and this shape always will (until the
     // graphs are dropped). A launch error of the batch itself shows again in the eager run.
     LOG(WARNING) << "cuda backend: no CUDA graph for this batch shape, running it eagerly: " << s;
@@ -454,7 +536,7 @@ absl::Status CudaExpertBackend::EnqueueKernels(const cuda::DeviceExpertLayer& la
     sightings = kNoGraph;
     ++counters_.capture_failures;
     ++counters_.eager_runs;
-    return runner_.Enqueue(layer, batch, plan, stream_);
+    return EnqueueBatch(layer, batch, plan, moves);
   }
   if (graphs_.size() >= static_cast<size_t>(kMaxCudaGraphs)) {
     auto oldest = graphs_.begin();
@@ -471,6 +553,7 @@ absl::Status CudaExpertBackend::EnqueueKernels(const cuda::DeviceExpertLayer& la
 
 absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
                                     const ExpertsRequest& request) {
+  RunClock::time_point t = RunClock::now();
   if (absl::Status s = ValidateExpertsRequest(layer, request); !s.ok()) return s;
   absl::StatusOr<std::shared_ptr<const DeviceVersion>> version = Prepared(layer_index, layer);
   if (!version.ok()) return version.status();
@@ -492,21 +575,43 @@ absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
   if (pinned && pinned_bytes_ < at.total) {
     if (pinned_ != nullptr) cudaFreeHost(pinned_);
     pinned_ = nullptr;
+    pinned_device_ = nullptr;
     pinned_bytes_ = 0;
     // Grown in powers of two (from 1 MB) up to the limit, so it is reallocated rarely.
     size_t bytes = size_t{1} << 20;
     while (bytes < at.total) bytes *= 2;
     bytes = std::min(bytes, static_cast<size_t>(options_.pinned_staging_bytes));
-    if (absl::Status s = CudaStatus(cudaHostAlloc(reinterpret_cast<void**>(&pinned_), bytes,
-                                                  cudaHostAllocDefault),
-                                    "pinned staging buffer");
+    // Mapped where the device can map host memory, so that the copy kernels can address it;
+    // elsewhere the copy engine moves it, as it does larger batches.
+    if (absl::Status s = CudaStatus(
+            cudaHostAlloc(reinterpret_cast<void**>(&pinned_), bytes,
+                          can_map_host_ ? cudaHostAllocMapped : cudaHostAllocDefault),
+            "pinned staging buffer");
         !s.ok()) {
       pinned_ = nullptr;
       return s;
     }
     pinned_bytes_ = bytes;
+    void* mapped = nullptr;
+    if (can_map_host_ && cudaHostGetDevicePointer(&mapped, pinned_, 0) == cudaSuccess) {
+      pinned_device_ = static_cast<uint8_t*>(mapped);
+    } else {
+      cudaGetLastError();  // clears a non-sticky error
+    }
   }
-  if (absl::Status s = CopyIn(request, with_mask, at, pinned); !s.ok()) return s;
+  Moves moves = Moves::kCopyEngine;
+  if (pinned && pinned_device_ != nullptr &&
+      static_cast<int64_t>(at.total) <= options_.kernel_copy_max_bytes) {
+    const bool graphed =
+        options_.graph_max_tokens > 0 && plan.tokens <= options_.graph_max_tokens;
+    moves = graphed && at.in_bytes <= kCopyPieceBytes &&
+                    static_cast<size_t>(request.out.NumBytes()) <= kCopyPieceBytes
+                ? Moves::kKernelsWithBatch
+                : Moves::kKernels;
+  }
+  t = AddElapsed(t, &counters_.prepare_ns);
+  if (absl::Status s = CopyIn(request, with_mask, at, pinned, moves); !s.ok()) return s;
+  t = AddElapsed(t, &counters_.copy_in_ns);
   uint8_t* device = arena_.as<uint8_t>();
   cuda::DeviceBatch batch;
   batch.hidden = device + at.hidden;
@@ -516,9 +621,20 @@ absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
   batch.shared_mask = with_mask ? device + at.mask : nullptr;
   batch.out = device + at.out;
   batch.out_bf16 = request.out.dtype == DType::kBF16;
-  if (absl::Status s = EnqueueKernels(d, batch, plan); !s.ok()) return s;
-  if (absl::Status s = CopyOut(request, at, pinned); !s.ok()) return s;
+  BatchMoves batch_moves;
+  if (moves == Moves::kKernelsWithBatch) {
+    batch_moves = {pinned_device_, device, at.in_bytes, device + at.out, pinned_device_ + at.out,
+                   static_cast<size_t>(request.out.NumBytes())};
+  }
+  if (absl::Status s = EnqueueKernels(
+          d, batch, plan, moves == Moves::kKernelsWithBatch ? &batch_moves : nullptr);
+      !s.ok()) {
+    return s;
+  }
+  AddElapsed(t, &counters_.enqueue_ns);
+  if (absl::Status s = CopyOut(request, at, pinned, moves); !s.ok()) return s;
   if (pinned) ++counters_.pinned_runs;
+  if (moves != Moves::kCopyEngine) ++counters_.kernel_copy_runs;
   return absl::OkStatus();
 }
 
@@ -551,8 +667,9 @@ absl::StatusOr<std::unique_ptr<ExpertBackend>> MakeCudaExpertBackend(
   const int count = cuda::DeviceCount(&why);
   if (count == 0) return absl::FailedPreconditionError(absl::StrCat("--backend=cuda: ", why));
   if (options.device < 0 || options.device >= count) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "--backend=cuda: device ", options.device, " requested, ", count, " present"));
+    return absl::FailedPreconditionError(absl::StrCat("--backend=cuda: --cuda_device=",
+                                                      options.device, " requested, ", count,
+                                                      " present (numbered from 0)"));
   }
   if (absl::Status s = CudaStatus(cudaSetDevice(options.device), "cudaSetDevice"); !s.ok()) {
     return s;

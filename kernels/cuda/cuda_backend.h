@@ -60,9 +60,12 @@ struct CudaBackendOptions {
   // Batches of up to this many tokens run their kernels as a CUDA graph: the second batch of a
   // shape (ExpertRunner::ShapeKey, with the item grid rounded up by at most 1/8) captures one,
   // later ones replay it, so a Run costs one graph launch instead of three or four kernel
-  // launches. That pays at one token (H200, problem C: 35.3 vs 41.9 us per Run); from 8 tokens
-  // on graphs measured no better than launches with programmatic launch (NOTES-cuda.md). At most
-  // kMaxCudaGraphs graphs are kept (least recently used goes). 0: never.
+  // launches. That pays at one token (H200, problem C: 35.3 vs 41.9 us per Run). Graphs captured
+  // with programmatic launch and holding the copy kernels measured 1-6% faster at 8 and 64
+  // tokens as well (A 8 133.2 vs 137.7 us, C 8 67.8 vs 72.5); the limit stays at 4 because a
+  // server's larger batches come in many shapes, each an eager run and a capture before its
+  // graph pays, for at most kMaxCudaGraphs kept graphs (least recently used goes;
+  // NOTES-cuda.md). 0: never.
   int graph_max_tokens = 4;
   // Programmatic dependent launch between the kernels of a batch (ExpertRunner::
   // set_programmatic_launch).
@@ -75,6 +78,13 @@ struct CudaBackendOptions {
   // (which the driver stages on one thread). Larger batches copy each tensor from and to the
   // caller's memory. 0: never.
   int64_t pinned_staging_bytes = int64_t{256} << 20;
+  // Pinned batches of up to this many bytes in all move between the pinned buffer and the device
+  // by a copy kernel (the SMs read and write the mapped host memory) instead of the copy engine,
+  // inside the batch's graph when it has one. On the H200 machine a one-token batch's two
+  // copy-engine transfers took ~12 us of device time, the two copy kernels ~4 us; a Run at A 1
+  // 44.5 against 50.1 us, C 2 44.7 against 51.1, A 64 483.7 against 489.2 (NOTES-cuda.md).
+  // 0: never.
+  int64_t kernel_copy_max_bytes = int64_t{4} << 20;
   // Host threads of the copies into and out of the pinned buffer (tensors of 256 KB and more are
   // split between them); 0: min(8, hardware concurrency).
   int copy_threads = 0;
@@ -93,11 +103,23 @@ struct CudaBackendCounters {
   int64_t graph_captures = 0;
   int64_t graph_replays = 0;
   int64_t pinned_runs = 0;  // Runs whose copies went through the pinned buffer
+  int64_t kernel_copy_runs = 0;  // of those, moved by copy kernels (kernel_copy_max_bytes)
   int64_t capture_failures = 0;  // captures that failed (those batches ran eagerly)
   // Fused layer kernels enqueued (eager runs and captures; replays launch what they captured).
   int64_t fused_layer_launches = 0;
   // GEMM2 launches that waited per item (ExpertGemmParams::item_ready; eager runs and captures).
   int64_t item_ready_launches = 0;
+  // Host time of each step of the Runs so far, summed in nanoseconds (benchmarks: where a Run's
+  // time beyond the device's goes): checks, route plan and buffers; the input copies (host copy
+  // into the pinned buffer and the copy submission); the kernels' launch (one graph or the
+  // launches); the output copy's submission; the wait for the device; the host copy out of the
+  // pinned buffer.
+  int64_t prepare_ns = 0;
+  int64_t copy_in_ns = 0;
+  int64_t enqueue_ns = 0;
+  int64_t copy_out_submit_ns = 0;
+  int64_t wait_ns = 0;
+  int64_t copy_out_host_ns = 0;
 };
 // The counters of `backend` when it is a CUDA backend, else all zero.
 CudaBackendCounters GetCudaBackendCounters(const ExpertBackend& backend);

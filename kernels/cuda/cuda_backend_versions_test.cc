@@ -211,6 +211,8 @@ TEST_P(GraphReplayTest, ServesNewInputs) {
     EXPECT_GE(n.graph_replays, 4);   // run 2 of each token count at least
     EXPECT_EQ(n.eager_runs + n.graph_captures + n.graph_replays, 24);
     EXPECT_EQ(n.pinned_runs, pinned ? 24 : 0);
+    // Every batch here is far below kernel_copy_max_bytes: the pinned ones move by copy kernels.
+    EXPECT_EQ(n.kernel_copy_runs, pinned ? 24 : 0);
     // Forced on, the fused kernel runs every direct batch (T = 1 always has distinct experts).
     if (fused) {
       EXPECT_GE(n.fused_layer_launches, 2);  // T = 1: the eager run and the capture
@@ -221,12 +223,17 @@ TEST_P(GraphReplayTest, ServesNewInputs) {
 }
 
 // Inputs and outputs over one copy piece (4 MB): the pinned copies go piece by piece, the host
-// filling or emptying one piece while the DMA engine moves another; pageable copies in one go.
+// filling or emptying one piece while the DMA engine (or a copy kernel, when kernel_copy_max_bytes
+// allows the batch) moves another; pageable copies in one go.
 TEST(CudaBackendVersionsTest, LargeBatchesCopyPieceByPiece) {
   const std::unique_ptr<OwnedLayer> layer = Layer(88);
-  for (int64_t pinned_bytes : {int64_t{64} << 20, int64_t{0}}) {
+  const struct {
+    int64_t pinned_bytes, kernel_copy_bytes;
+  } forms[] = {{int64_t{64} << 20, 0}, {int64_t{64} << 20, int64_t{64} << 20}, {0, 0}};
+  for (const auto [pinned_bytes, kernel_copy_bytes] : forms) {
     CudaBackendOptions options;
     options.pinned_staging_bytes = pinned_bytes;
+    options.kernel_copy_max_bytes = kernel_copy_bytes;
     absl::StatusOr<std::unique_ptr<ExpertBackend>> made = MakeCudaExpertBackend(options);
     if (!made.ok()) GTEST_SKIP() << made.status();
     ExpertBackend& b = **made;
@@ -238,10 +245,12 @@ TEST(CudaBackendVersionsTest, LargeBatchesCopyPieceByPiece) {
       spec.seed = seed;
       absl::Status s;
       EXPECT_LE(RunAndCompare(b, 0, *layer, spec, &s), 1e-2)
-          << "pinned " << pinned_bytes << " seed " << seed;
+          << "pinned " << pinned_bytes << " kernel copies " << kernel_copy_bytes << " seed "
+          << seed;
       ASSERT_TRUE(s.ok()) << s;
     }
     EXPECT_EQ(GetCudaBackendCounters(b).pinned_runs, pinned_bytes > 0 ? 2 : 0);
+    EXPECT_EQ(GetCudaBackendCounters(b).kernel_copy_runs, kernel_copy_bytes > 0 ? 2 : 0);
   }
 }
 

@@ -15,6 +15,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace moe::cuda {
@@ -396,6 +397,13 @@ bool ExpertLayerFits(Fp4Format format, int tokens, int routes, int hidden_chunks
 // programmatic: as GemmLaunch (the predecessor is the prologue).
 cudaError_t LaunchExpertLayer(const ExpertLayerParams& p, Fp4Format format, bool programmatic,
                               cudaStream_t stream);
+
+// Copies `bytes` from `from` to `to` with the SMs, either side possibly pinned host memory mapped
+// into the device's address space (CudaExpertBackend's small batches: on the H200 machine a
+// copy-engine transfer of a one-token batch took ~6 us each way, a kernel reading or writing the
+// pinned memory itself ~2 us; NOTES-cuda.md). Both pointers 16-byte aligned (else
+// cudaErrorInvalidValue). A plain launch: it waits for everything before it on the stream.
+cudaError_t LaunchCopyBytes(const void* from, void* to, size_t bytes, cudaStream_t stream);
 
 // programmatic: as GemmLaunch (the predecessor is GEMM2).
 cudaError_t LaunchExpertCombine(const ExpertCombineParams& p, bool programmatic,
