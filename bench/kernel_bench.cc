@@ -406,6 +406,8 @@ nlohmann::json TimeBackend(const ProblemLayer& problem) {
   no_graph_options.graph_max_tokens = 0;
   CudaBackendOptions dma_options;  // the copy engine for every pinned batch
   dma_options.kernel_copy_max_bytes = 0;
+  CudaBackendOptions copy_out_options;  // graphed batches: the output moved by a copy kernel
+  copy_out_options.pinned_direct_output = false;
   CudaBackendOptions pdl_graph_options;
   pdl_graph_options.graph_max_tokens = 512;
   pdl_graph_options.graph_programmatic_launch = true;
@@ -414,6 +416,7 @@ nlohmann::json TimeBackend(const ProblemLayer& problem) {
     CudaBackendOptions options;
   } configs[] = {{"default", CudaBackendOptions{}},
                  {"dma_copies", dma_options},
+                 {"copy_out_kernel", copy_out_options},
                  {"eager_pageable", plain_options},
                  {"pinned_one_copy_thread", one_thread_options},
                  {"pinned_eager", no_graph_options},
@@ -898,7 +901,9 @@ int Main() {
          "--backend_rounds alternating rounds x --backend_runs runs cycling over 8 routings; "
          "default: CUDA graphs for repeated shapes + one pinned staging buffer, host copies on "
          "CudaBackendOptions::copy_threads threads, moved by copy kernels up to "
-         "kernel_copy_max_bytes; dma_copies: the copy engine for every pinned batch; "
+         "kernel_copy_max_bytes, graphed ones writing their output straight into it; "
+         "dma_copies: the copy engine for every pinned batch; copy_out_kernel: graphed batches' "
+         "output moved into the pinned buffer by a copy kernel; "
          "eager_pageable: kernels launched one by one, "
          "pageable per-tensor copies; pinned_one_copy_thread: the default with one copy thread; "
          "pinned_eager: the default without graphs (kernels launched one by one, programmatic "

@@ -198,7 +198,8 @@ class CudaExpertBackend final : public ExpertBackend {
   // by copy kernels (LaunchCopyBytes: the SMs read and write the mapped host memory), or by copy
   // kernels enqueued with the batch's kernels (one piece, a graphed shape: inside its graph).
   enum class Moves { kCopyEngine, kKernels, kKernelsWithBatch };
-  // The two copy kernels of a kKernelsWithBatch batch.
+  // The copy kernels of a kKernelsWithBatch batch (out_bytes 0: the kernels write the output
+  // into the pinned buffer themselves, CudaBackendOptions::pinned_direct_output).
   struct BatchMoves {
     const uint8_t* in_from = nullptr;
     uint8_t* in_to = nullptr;
@@ -452,7 +453,7 @@ absl::Status CudaExpertBackend::EnqueueBatch(const cuda::DeviceExpertLayer& laye
     }
   }
   if (absl::Status s = runner_.Enqueue(layer, batch, plan, stream_); !s.ok()) return s;
-  if (moves == nullptr) return absl::OkStatus();
+  if (moves == nullptr || moves->out_bytes == 0) return absl::OkStatus();
   return CudaStatus(
       cuda::LaunchCopyBytes(moves->out_from, moves->out_to, moves->out_bytes, stream_),
       "output copy");
@@ -511,7 +512,7 @@ absl::Status CudaExpertBackend::EnqueueKernels(const cuda::DeviceExpertLayer& la
   std::string key = runner_.ShapeKey(layer, batch, plan);
   if (moves != nullptr) {
     absl::StrAppend(&key, "|moves:", moves->in_bytes, ":", moves->out_to - pinned_device_, ":",
-                    moves->out_bytes);
+                    moves->out_bytes, ":", batch.out == moves->out_to);
   }
   ++uses_;
   if (auto it = graphs_.find(key); it != graphs_.end()) {
@@ -623,8 +624,11 @@ absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
   batch.out_bf16 = request.out.dtype == DType::kBF16;
   BatchMoves batch_moves;
   if (moves == Moves::kKernelsWithBatch) {
+    // Every kernel only writes the output (prologue zeros, fold or combine), once per element.
+    const bool direct = options_.pinned_direct_output;
+    if (direct) batch.out = pinned_device_ + at.out;
     batch_moves = {pinned_device_, device, at.in_bytes, device + at.out, pinned_device_ + at.out,
-                   static_cast<size_t>(request.out.NumBytes())};
+                   direct ? 0 : static_cast<size_t>(request.out.NumBytes())};
   }
   if (absl::Status s = EnqueueKernels(
           d, batch, plan, moves == Moves::kKernelsWithBatch ? &batch_moves : nullptr);

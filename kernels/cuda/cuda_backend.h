@@ -60,13 +60,13 @@ struct CudaBackendOptions {
   // Batches of up to this many tokens run their kernels as a CUDA graph: the second batch of a
   // shape (ExpertRunner::ShapeKey, with the item grid rounded up by at most 1/8) captures one,
   // later ones replay it, so a Run costs one graph launch instead of three or four kernel
-  // launches. That pays at one token (H200, problem C: 35.3 vs 41.9 us per Run). Graphs captured
-  // with programmatic launch and holding the copy kernels measured 1-6% faster at 8 and 64
-  // tokens as well (A 8 133.2 vs 137.7 us, C 8 67.8 vs 72.5); the limit stays at 4 because a
-  // server's larger batches come in many shapes, each an eager run and a capture before its
-  // graph pays, for at most kMaxCudaGraphs kept graphs (least recently used goes;
-  // NOTES-cuda.md). 0: never.
-  int graph_max_tokens = 4;
+  // launches. That pays at one token (H200, problem C: 35.3 vs 41.9 us per Run) and, with
+  // programmatic launch inside the graph and the copy kernels in it, at 8 tokens (A 8 132.1 vs
+  // 138.8 us, C 8 66.5 vs 72.2) and 64 (1-3.5%). The limit stops at 8 because a server's larger
+  // batches come in many shapes (token count x rounded item grid), each an eager Run and a
+  // capture before its graph pays, for at most kMaxCudaGraphs kept graphs (least recently used
+  // goes; NOTES-cuda.md). 0: never.
+  int graph_max_tokens = 8;
   // Programmatic dependent launch between the kernels of a batch (ExpertRunner::
   // set_programmatic_launch).
   bool programmatic_launch = true;
@@ -85,6 +85,10 @@ struct CudaBackendOptions {
   // 44.5 against 50.1 us, C 2 44.7 against 51.1, A 64 483.7 against 489.2 (NOTES-cuda.md).
   // 0: never.
   int64_t kernel_copy_max_bytes = int64_t{4} << 20;
+  // Graphed batches moved by copy kernels: the kernels write the output straight into the mapped
+  // pinned buffer (each element once, over PCIe) instead of a copy kernel moving it there after
+  // them. false: the copy kernel. Tests cover both.
+  bool pinned_direct_output = true;
   // Host threads of the copies into and out of the pinned buffer (tensors of 256 KB and more are
   // split between them); 0: min(8, hardware concurrency).
   int copy_threads = 0;
