@@ -12,6 +12,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -61,6 +62,9 @@ ABSL_FLAG(std::string, backend_tokens, "",
           "comma-separated token counts at which to also time CudaExpertBackend::Run from host "
           "inputs to host output (what a shard's executor waits for), the graph and pinned "
           "staging defaults against kernels launched one by one with pageable copies");
+ABSL_FLAG(int, backend_mixed, 0,
+          "mixed-size backend workload: Runs of every token count 1..N (4 routings each) in a "
+          "new shuffled order per round, per graph limit (0: not timed)");
 ABSL_FLAG(int, backend_rounds, 3, "alternating rounds of the two backend configurations");
 ABSL_FLAG(int, backend_runs, 60, "timed Runs per backend configuration and round");
 ABSL_FLAG(bool, direct_batches, false,
@@ -506,6 +510,92 @@ nlohmann::json TimeBackend(const ProblemLayer& problem) {
   return rows;
 }
 
+// --backend_mixed=N: what graph_max_tokens costs or saves when the batch sizes vary, as a
+// server's do: every token count 1..N with 4 routings each (4N shapes or more, over the kept
+// kMaxCudaGraphs graphs at N >= 16), in a new shuffled order every round; the graph limits
+// 0 (none), 8 and N alternate per round, in a rotated order each round (so that a drift of the
+// clock within a round favours none). Mean and median Run wall time overall and per token-count
+// band, and the counters (captures, replays, refusals of the cache's eviction guard). Returns
+// the JSON rows.
+nlohmann::json TimeBackendMixed(const ProblemLayer& problem) {
+  nlohmann::json rows = nlohmann::json::array();
+  const int max_tokens = absl::GetFlag(FLAGS_backend_mixed);
+  if (max_tokens <= 0) return rows;
+  std::mt19937_64 rng(4242);
+  std::vector<HostBatch> batches;
+  for (int t = 1; t <= max_tokens; ++t) {
+    for (int i = 0; i < 4; ++i) batches.push_back(RandomBatch(problem, t, rng));
+  }
+  std::vector<uint16_t> out(static_cast<size_t>(max_tokens * problem.layer.hidden));
+  const int limits[] = {0, 8, max_tokens};
+  std::vector<std::unique_ptr<ExpertBackend>> backends;
+  for (int limit : limits) {
+    CudaBackendOptions options;
+    options.graph_max_tokens = limit;
+    absl::StatusOr<std::unique_ptr<ExpertBackend>> b = MakeCudaExpertBackend(options);
+    BENCH_CHECK_OK(b.status());
+    BENCH_CHECK_OK((*b)->PrepareLayer(0, problem.layer));
+    backends.push_back(*std::move(b));
+  }
+  std::vector<std::vector<double>> us(backends.size());
+  // Token-count bands: 1-4, 5-8, 9-16, 17-32, 33 and more.
+  constexpr int kBands = 5;
+  const auto band_of = [](int64_t t) { return t <= 4 ? 0 : t <= 8 ? 1 : t <= 16 ? 2 : t <= 32 ? 3 : 4; };
+  std::vector<std::array<std::vector<double>, kBands>> band_us(backends.size());
+  std::vector<size_t> order(batches.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  const int rounds = absl::GetFlag(FLAGS_backend_rounds) + 1;  // the first one is not timed
+  for (int round = 0; round < rounds; ++round) {
+    std::shuffle(order.begin(), order.end(), rng);
+    for (size_t k = 0; k < backends.size(); ++k) {
+      const size_t b = (k + static_cast<size_t>(round)) % backends.size();
+      for (size_t i : order) {
+        const ExpertsRequest request = batches[i].Request(out.data());
+        const auto t0 = std::chrono::steady_clock::now();
+        BENCH_CHECK_OK(backends[b]->Run(0, problem.layer, request));
+        const double took =
+            std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
+                .count();
+        if (round > 0) {
+          us[b].push_back(took);
+          band_us[b][band_of(batches[i].tokens)].push_back(took);
+        }
+      }
+    }
+  }
+  std::printf("backend mixed 1..%d tokens, %zu batches x %d rounds:", max_tokens, batches.size(),
+              rounds - 1);
+  for (size_t b = 0; b < backends.size(); ++b) {
+    const Stats st = Summarize(us[b]);
+    double sum = 0;
+    for (double v : us[b]) sum += v;
+    const double mean = us[b].empty() ? 0 : sum / static_cast<double>(us[b].size());
+    const CudaBackendCounters n = GetCudaBackendCounters(*backends[b]);
+    std::printf(" graphs up to %d: mean %.1f us, median %.1f [captures %lld, replays %lld, "
+                "refusals %lld, eager %lld], band medians (1-4, 5-8, 9-16, 17-32, 33+):",
+                limits[b], mean, st.median, static_cast<long long>(n.graph_captures),
+                static_cast<long long>(n.graph_replays), static_cast<long long>(n.graph_refusals),
+                static_cast<long long>(n.eager_runs));
+    nlohmann::json bands = nlohmann::json::array();
+    for (int k = 0; k < kBands; ++k) {
+      const double median = band_us[b][k].empty() ? 0 : Summarize(band_us[b][k]).median;
+      std::printf(" %.1f", median);
+      bands.push_back(median);
+    }
+    std::printf(";");
+    rows.push_back({{"graph_max_tokens", limits[b]},
+                    {"band_medians_us", bands},
+                    {"mean_us", mean},
+                    {"wall", ToJson(st)},
+                    {"graph_captures", n.graph_captures},
+                    {"graph_replays", n.graph_replays},
+                    {"graph_refusals", n.graph_refusals},
+                    {"eager_runs", n.eager_runs}});
+  }
+  std::printf("\n");
+  return rows;
+}
+
 const char* ActivationName(const ProblemLayer& p) {
   return p.name == 'A' ? "swigluoai alpha=1.702 limit=7, biases, interleaved"
                        : "silu, no biases, concatenated gate/up";
@@ -909,7 +999,13 @@ int Main() {
          "pinned_eager: the default without graphs (kernels launched one by one, programmatic "
          "dependent launch on); graphs_pdl_512: graphs up to 512 tokens captured with "
          "programmatic dependent launch"},
-        {"rows", TimeBackend(problem)}}}};
+        {"rows", TimeBackend(problem)}}},
+      {"backend_mixed",
+       {{"timing",
+         "--backend_mixed=N: Runs of every token count 1..N, 4 routings each, shuffled anew per "
+         "round, graph_max_tokens 0 / 8 / N alternating per round (the first round untimed); "
+         "wall time per Run"},
+        {"rows", TimeBackendMixed(problem)}}}};
   WriteJson(absl::GetFlag(FLAGS_out_json), out);
   return 0;
 }

@@ -219,6 +219,8 @@ class CudaExpertBackend final : public ExpertBackend {
   // Pieces of the pinned copies: the host copies one while the DMA engine moves the previous.
   static constexpr size_t kCopyPieceBytes = size_t{4} << 20;
   static constexpr size_t kMaxSeenShapes = 4096;
+  // Runs within which a graph counts as in use (the cache's eviction guard, EnqueueKernels).
+  static constexpr uint64_t kHotGraphUses = 4 * kMaxCudaGraphs;
   // seen_ value of a shape that runs eagerly from now on (its capture failed).
   static constexpr int kNoGraph = -(1 << 30);
   // Captures the kernels of this batch into *exec (instantiated); nothing runs.
@@ -252,8 +254,8 @@ class CudaExpertBackend final : public ExpertBackend {
   uint8_t* pinned_device_ ABSL_GUARDED_BY(run_mu_) = nullptr;
   bool can_map_host_ = false;  // cudaDevAttrCanMapHostMemory
   size_t pinned_bytes_ ABSL_GUARDED_BY(run_mu_) = 0;
-  // Captured graphs by shape key, and the shapes run eagerly once so far (a shape is captured on
-  // its second batch). Valid while the epoch below is unchanged.
+  // Captured graphs by shape key (valid while the epoch below is unchanged), and how often each
+  // shape ran (a shape is captured on its second batch; kNoGraph after a failed capture).
   struct Graph {
     cudaGraphExec_t exec = nullptr;
     uint64_t last_use = 0;
@@ -434,10 +436,14 @@ absl::Status CudaExpertBackend::CopyOut(const ExpertsRequest& request, const Are
   return absl::OkStatus();
 }
 
+// The sightings stay: they record shapes, not the pointers the graphs hold, so a shape seen
+// before the arena or scratch grew is captured on its next batch (while batch sizes still grow,
+// as after a start, every growth would otherwise reset them all). Shapes whose capture failed
+// get another try.
 void CudaExpertBackend::ClearGraphs() {
   for (auto& [key, graph] : graphs_) cudaGraphExecDestroy(graph.exec);
   graphs_.clear();
-  seen_.clear();
+  std::erase_if(seen_, [](const auto& entry) { return entry.second < 0; });
 }
 
 absl::Status CudaExpertBackend::EnqueueBatch(const cuda::DeviceExpertLayer& layer,
@@ -502,6 +508,7 @@ absl::Status CudaExpertBackend::EnqueueKernels(const cuda::DeviceExpertLayer& la
   const uint64_t layers = layers_generation_.load();
   if (graph_arena_ != arena_.get() || graph_pinned_ != pinned_device_ ||
       graph_scratch_ != runner_.scratch_generation() || graph_layers_ != layers) {
+    if (!graphs_.empty()) ++counters_.graph_invalidations;
     ClearGraphs();
     graph_arena_ = arena_.get();
     graph_pinned_ = pinned_device_;
@@ -528,6 +535,22 @@ absl::Status CudaExpertBackend::EnqueueKernels(const cuda::DeviceExpertLayer& la
     ++counters_.eager_runs;
     return EnqueueBatch(layer, batch, plan, moves);
   }
+  // A full cache whose least recently used graph ran within the last kHotGraphUses Runs holds a
+  // working set at least as large as itself: evicting for this shape would only start a cycle of
+  // captures (each dearer than the eager Run it replaces), so the batch runs eagerly and the
+  // kept graphs stay. Shapes get in again once some graph has gone cold.
+  auto victim = graphs_.end();
+  if (graphs_.size() >= static_cast<size_t>(kMaxCudaGraphs)) {
+    victim = graphs_.begin();
+    for (auto it = graphs_.begin(); it != graphs_.end(); ++it) {
+      if (it->second.last_use < victim->second.last_use) victim = it;
+    }
+    if (victim->second.last_use + kHotGraphUses > uses_) {
+      ++counters_.graph_refusals;
+      ++counters_.eager_runs;
+      return EnqueueBatch(layer, batch, plan, moves);
+    }
+  }
   cudaGraphExec_t exec = nullptr;
   if (absl::Status s = Capture(layer, batch, plan, moves, &exec); !s.ok()) {
     // A graph is an optimization: the batch runs eagerly, and this shape always will (until the
@@ -539,13 +562,9 @@ absl::Status CudaExpertBackend::EnqueueKernels(const cuda::DeviceExpertLayer& la
     ++counters_.eager_runs;
     return EnqueueBatch(layer, batch, plan, moves);
   }
-  if (graphs_.size() >= static_cast<size_t>(kMaxCudaGraphs)) {
-    auto oldest = graphs_.begin();
-    for (auto it = graphs_.begin(); it != graphs_.end(); ++it) {
-      if (it->second.last_use < oldest->second.last_use) oldest = it;
-    }
-    cudaGraphExecDestroy(oldest->second.exec);
-    graphs_.erase(oldest);
+  if (victim != graphs_.end()) {
+    cudaGraphExecDestroy(victim->second.exec);
+    graphs_.erase(victim);
   }
   graphs_[key] = Graph{exec, uses_};
   ++counters_.graph_captures;

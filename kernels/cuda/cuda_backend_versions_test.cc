@@ -287,6 +287,48 @@ TEST(CudaBackendVersionsTest, GraphedCopyKernelsWithAndWithoutDirectOutput) {
   }
 }
 
+// More shapes in use than the cache keeps (kMaxCudaGraphs): the first kMaxCudaGraphs repeated
+// shapes are captured once and replayed from then on; the others run eagerly (refused, not
+// captured over a graph in use), so no pass recaptures anything. The first pass grows the arena
+// and scratch at every token count (dropping the graphs each time), which must not make the
+// shapes count as unseen again. Every Run stays correct.
+TEST(CudaBackendVersionsTest, GraphCacheKeepsItsWorkingSet) {
+  const std::unique_ptr<OwnedLayer> layer = Layer(111);
+  CudaBackendOptions options;
+  constexpr int kShapes = kMaxCudaGraphs + 6;
+  options.graph_max_tokens = kShapes;
+  absl::StatusOr<std::unique_ptr<ExpertBackend>> made = MakeCudaExpertBackend(options);
+  if (!made.ok()) GTEST_SKIP() << made.status();
+  ExpertBackend& b = **made;
+  ASSERT_TRUE(b.PrepareLayer(0, layer->layer).ok());
+  for (int pass = 0; pass < 3; ++pass) {
+    for (int64_t tokens = 1; tokens <= kShapes; ++tokens) {
+      cpu::RandomRequestSpec spec;
+      spec.tokens = tokens;
+      spec.top_k = 2;
+      spec.seed = 9000 + tokens;  // the same routing every pass: one shape per token count
+      absl::Status s;
+      const double err = RunAndCompare(b, 0, *layer, spec, &s);
+      ASSERT_TRUE(s.ok()) << s;
+      EXPECT_LE(err, 1e-2) << "pass " << pass << " T=" << tokens;
+    }
+    const CudaBackendCounters n = GetCudaBackendCounters(b);
+    std::printf("after pass %d: captures %lld, replays %lld, refusals %lld, eager %lld, "
+                "invalidations %lld\n",
+                pass, static_cast<long long>(n.graph_captures),
+                static_cast<long long>(n.graph_replays), static_cast<long long>(n.graph_refusals),
+                static_cast<long long>(n.eager_runs), static_cast<long long>(n.graph_invalidations));
+  }
+  const CudaBackendCounters n = GetCudaBackendCounters(b);
+  std::printf("graph cache: captures %lld, replays %lld, refusals %lld, eager %lld\n",
+              static_cast<long long>(n.graph_captures), static_cast<long long>(n.graph_replays),
+              static_cast<long long>(n.graph_refusals), static_cast<long long>(n.eager_runs));
+  EXPECT_EQ(n.graph_captures, kMaxCudaGraphs);
+  EXPECT_EQ(n.graph_replays, kMaxCudaGraphs);           // pass 2
+  EXPECT_EQ(n.graph_refusals, 2 * (kShapes - kMaxCudaGraphs));  // passes 1 and 2
+  EXPECT_EQ(n.eager_runs, kShapes + 2 * (kShapes - kMaxCudaGraphs));
+}
+
 // A failed capture costs the graph, not the batch: it runs eagerly, and so does its shape later.
 TEST(CudaBackendVersionsTest, FailedCaptureRunsEagerly) {
   CudaBackendOptions options;
