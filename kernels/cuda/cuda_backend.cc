@@ -237,6 +237,10 @@ class CudaExpertBackend final : public ExpertBackend {
                               const cuda::RoutePlan& plan, const BatchMoves* moves)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
   void ClearGraphs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
+  // Whether batches of this plan's size run as CUDA graphs (CudaBackendOptions::graph_max_tokens).
+  bool Graphed(const cuda::RoutePlan& plan) const {
+    return options_.graph_max_tokens > 0 && plan.tokens <= options_.graph_max_tokens;
+  }
 
   CudaBackendOptions options_;
   cudaStream_t stream_;
@@ -495,7 +499,7 @@ absl::Status CudaExpertBackend::EnqueueKernels(const cuda::DeviceExpertLayer& la
                                                const cuda::DeviceBatch& batch,
                                                const cuda::RoutePlan& plan,
                                                const BatchMoves* moves) {
-  const bool graphs = options_.graph_max_tokens > 0 && plan.tokens <= options_.graph_max_tokens;
+  const bool graphs = Graphed(plan);
   // Graphed shapes round their item grids up, so that routings with nearby item counts share one.
   runner_.set_round_item_grid(graphs);
   // Scratch first: allocation is not allowed during capture, and a reallocation invalidates the
@@ -622,9 +626,7 @@ absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
   Moves moves = Moves::kCopyEngine;
   if (pinned && pinned_device_ != nullptr &&
       static_cast<int64_t>(at.total) <= options_.kernel_copy_max_bytes) {
-    const bool graphed =
-        options_.graph_max_tokens > 0 && plan.tokens <= options_.graph_max_tokens;
-    moves = graphed && at.in_bytes <= kCopyPieceBytes &&
+    moves = Graphed(plan) && at.in_bytes <= kCopyPieceBytes &&
                     static_cast<size_t>(request.out.NumBytes()) <= kCopyPieceBytes
                 ? Moves::kKernelsWithBatch
                 : Moves::kKernels;

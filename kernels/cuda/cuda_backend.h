@@ -110,7 +110,7 @@ struct CudaBackendCounters {
   int64_t kernel_copy_runs = 0;  // of those, moved by copy kernels (kernel_copy_max_bytes)
   int64_t capture_failures = 0;  // captures that failed (those batches ran eagerly)
   // Batches run eagerly instead of captured because every kept graph was in use (a full cache
-  // whose least recently used graph ran within the last 4 x kMaxCudaGraphs Runs).
+  // whose least recently used graph ran within the last 4 x kMaxCudaGraphs graphed Runs).
   int64_t graph_refusals = 0;
   // Times the kept graphs were dropped because what they point at moved: a larger device arena,
   // pinned buffer or runner scratch, or a new layer copy.
