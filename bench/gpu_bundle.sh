@@ -8,12 +8,14 @@
 #                                   # gets the args); SANITIZE=<gtest filter> adds a
 #                                   # compute-sanitizer memcheck; NCU="64 4096" profiles the first
 #                                   # two GEMMs at those sizes; POWER="A:512:6000" runs points
-#                                   # sustained with power and clock sampling
+#                                   # sustained with power and clock sampling; RPC="<args>"
+#                                   # runs rpc_bench (when bundled) with those arguments
 #
 # .bundle/ (or $BUNDLE_DIR, so several bundles can sit side by side) is git-ignored; hand it to
 # the device tool as a carried path. BUNDLE_TARGETS picks the binaries (default: all of
 # device_test backend_test experts_cuda_test staging_cuda_test device_copy_cuda_test
-# cuda_backend_versions_test cuda_ipc_test kernel_bench staging_bench). Each but device_test holds the same ~17 MB kernel
+# cuda_backend_versions_test cuda_ipc_test kernel_bench staging_bench; rpc_bench on request).
+# Each but device_test holds the same ~17 MB kernel
 # fatbin (the seven targets before backend_test stripped were ~127 MB); xz with a dictionary
 # larger than the archive stores the repeated fatbin once (~16 MB, against ~60 MB with xz's
 # default 8 MiB dictionary; unpacking needs ~200 MB of memory). `make` refuses an archive over
@@ -32,7 +34,7 @@ label_of() {
   case "$1" in
     cuda_ipc_test) echo //server/shard:cuda_ipc_test ;;
     backend_test) echo //kernels:backend_test ;;
-    kernel_bench | staging_bench) echo "//bench:$1" ;;
+    kernel_bench | staging_bench | rpc_bench) echo "//bench:$1" ;;
     *) echo "//kernels/cuda:$1" ;;
   esac
 }
@@ -97,6 +99,18 @@ run_bundle() {
   if has kernel_bench; then
     timeout 240 "$B"/kernel_bench --commit="$commit" --out_json="$out/kernel_bench.json" "$@" \
       2>&1 | tee "$out/kernel_bench.log"
+  fi
+  # RPC="--routes=uniform --backend=cuda ..." : the served latency of a generated layer through
+  # an in-process shard (bench/rpc_bench.cc); several runs separated by ';'.
+  if [[ -n "${RPC:-}" ]] && has rpc_bench; then
+    local i=0 args
+    IFS=';' read -r -a rpc_runs <<< "$RPC"
+    for args in "${rpc_runs[@]}"; do
+      i=$((i + 1))
+      # shellcheck disable=SC2086  # the arguments are words on purpose
+      timeout 400 "$B"/rpc_bench $args --out_json="$out/rpc_bench_$i.json" 2>&1 |
+        tee "$out/rpc_bench_$i.log"
+    done
   fi
   if has staging_bench; then
     timeout 60 "$B"/staging_bench --commit="$commit" --out_json="$out/staging_bench.json" \

@@ -3,13 +3,21 @@
 // shared-memory request channel (no gRPC call per request), against an in-process shard on
 // loopback.
 //
-// Compute is excluded: every route is -1 (no expert hosted for it), so the shard validates,
-// stages (BF16 hidden states in place), counts load and writes zero rows into the output's final
-// place without a GEMM; what is measured is transport + staging. Sweep: payload 1 token .. 64 MiB of BF16 hidden states (H = --hidden),
-// 1 .. 64 concurrent clients (each with its own connection; clients * payload is capped by
-// --max_inflight_mib). Reported per case: p50/p99 latency and effective GB/s = (request payload
-// + response payload bytes) * calls / wall time. The ceiling, measured in the same run: raw TCP
-// loopback throughput of one connection pushing 64 MiB buffers.
+// By default compute is excluded: every route is -1 (no expert hosted for it), so the shard
+// validates, stages (BF16 hidden states in place), counts load and writes zero rows into the
+// output's final place without a GEMM; what is measured is transport + staging. With
+// --routes=uniform every token goes to top_k distinct experts drawn uniformly (8 routings per
+// client, cycled, so a GPU's L2 does not keep one request's weights for the next), and the
+// experts run on --backend: the served latency of a real layer (--experts, --intermediate,
+// --top_k, --format shape the generated model; `--backend cuda` on the GPU machine). Sweep:
+// payload 1 token .. 64 MiB of BF16 hidden states (H = --hidden), 1 .. 64 concurrent clients
+// (each with its own connection; clients * payload is capped by --max_inflight_mib). Reported per
+// case: p50/p99 latency at the client; the shard's own p50 per Forward (from the start of its
+// handler to the answer, ShardObserver::OnForward) and per executor batch (the backend Run,
+// OnBatch), so that client - shard = transport and shard - batch = validation, staging and load
+// counting; requests per batch; effective GB/s = (request payload + response payload bytes) *
+// calls / wall time. The ceiling, measured in the same run: raw TCP loopback throughput of one
+// connection pushing 64 MiB buffers.
 //
 // `bazel run -c opt //bench:rpc_bench` writes bench/results/rpc_bench_<date>.json.
 #include <fcntl.h>
@@ -25,8 +33,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -55,12 +65,27 @@ ABSL_FLAG(std::string, tokens, "1,16,256,1024,4096,16384", "tokens per request, 
 ABSL_FLAG(std::string, clients, "1,4,16,64", "concurrent clients, comma-separated");
 ABSL_FLAG(std::string, modes, "proto,raw,shm,channel",
           "proto (Forward), raw (ForwardRaw), shm (SharedMemoryShard.Forward), channel "
-          "(shared-memory request channel: no gRPC call per request)");
+          "(shared-memory request channel: no gRPC call per request), stream (ForwardStream: "
+          "one request and its response per call on a bidirectional stream opened once per "
+          "client), ping (GetInfo: a small "
+          "unary call with no payload and no executor, the gRPC floor of this host)");
+ABSL_FLAG(std::string, model_dir, "",
+          "use the checkpoint in this directory, generating it there first when it has no "
+          "config.json (kept afterwards); empty: a temporary directory, removed at exit");
 ABSL_FLAG(double, seconds, 1.0, "timed seconds per case (at least 3 calls per client)");
 ABSL_FLAG(int64_t, max_inflight_mib, 128, "skip cases where clients * payload exceeds this");
 ABSL_FLAG(std::string, backend, "cpu",
           "shard backend (what moe_shard --backend=auto picks without a GPU; no expert runs)");
 ABSL_FLAG(bool, tune_allocator, true, "raise glibc's mmap threshold (as moe_shard does)");
+ABSL_FLAG(std::string, routes, "none",
+          "none: every route -1 (transport + staging only); uniform: top_k distinct experts per "
+          "token drawn uniformly, run on --backend");
+ABSL_FLAG(int64_t, experts, 8, "experts of the generated model's layer");
+ABSL_FLAG(int64_t, top_k, 2, "experts per token of the generated model");
+ABSL_FLAG(int64_t, intermediate, 64, "expert intermediate size I of the generated model");
+ABSL_FLAG(std::string, format, "mxfp4",
+          "weight format of the generated model: mxfp4 (gpt-oss layout, SWIGLUOAI with biases) "
+          "or nvfp4 (ModelOpt layout, SiLU)");
 ABSL_FLAG(int64_t, channel_spin_us, -1,
           "channel mode: microseconds the client polls for the answer before its futex wait "
           "(ShmChannel::set_spin); -1 keeps the library default (kShmChannelSpin), 0 never polls");
@@ -68,7 +93,16 @@ ABSL_FLAG(int64_t, channel_spin_us, -1,
 namespace moe {
 namespace {
 
-constexpr int64_t kTopK = 2;
+// Routings per client with --routes=uniform (cycled call by call).
+constexpr int kRoutings = 8;
+
+// What every client's requests look like (the model's shape and how routes are drawn).
+struct RequestShape {
+  int64_t hidden = 0;
+  int64_t top_k = 0;
+  int64_t experts = 0;
+  bool routed = false;  // --routes=uniform
+};
 
 struct Case {
   std::string mode;
@@ -83,10 +117,56 @@ struct CaseResult {
   int64_t errors = 0;
   std::string first_error;
   double wall_s = 0, p50_us = 0, p99_us = 0, mean_us = 0, effective_gbps = 0;
+  // The shard's side (BenchObserver) over the timed window.
+  double shard_p50_us = 0, batch_p50_us = 0, requests_per_batch = 0;
+  int64_t batches = 0;
 };
 
-// Header of a request of `t` tokens whose routes are all -1 (no compute), and its payload.
-v1::ForwardRequest MakeHeader(int64_t t, int64_t hidden, std::string* payload) {
+// The shard's own timings: every Forward's latency inside the shard and every executor batch's
+// backend time, collected between Reset and Take.
+class BenchObserver final : public ShardObserver {
+ public:
+  void OnForward(int64_t, int64_t, absl::StatusCode code, absl::Duration latency) override {
+    if (code != absl::StatusCode::kOk) return;
+    absl::MutexLock lock(&mu_);
+    forward_us_.push_back(absl::ToDoubleMicroseconds(latency));
+  }
+  void OnBatch(int64_t, int64_t requests, absl::Duration compute) override {
+    absl::MutexLock lock(&mu_);
+    batch_us_.push_back(absl::ToDoubleMicroseconds(compute));
+    batch_requests_ += requests;
+  }
+  void Reset() {
+    absl::MutexLock lock(&mu_);
+    forward_us_.clear();
+    batch_us_.clear();
+    batch_requests_ = 0;
+  }
+  struct Taken {
+    std::vector<double> forward_us, batch_us;
+    int64_t batch_requests = 0;
+  };
+  Taken Take() {
+    absl::MutexLock lock(&mu_);
+    Taken t{std::move(forward_us_), std::move(batch_us_), batch_requests_};
+    forward_us_.clear();
+    batch_us_.clear();
+    batch_requests_ = 0;
+    return t;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<double> forward_us_ ABSL_GUARDED_BY(mu_);
+  std::vector<double> batch_us_ ABSL_GUARDED_BY(mu_);
+  int64_t batch_requests_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// Header of a request of `t` tokens, its routes all -1 (no compute) or, when shape.routed,
+// shape.top_k distinct experts per token drawn from `rng` with equal weights; and its payload.
+v1::ForwardRequest MakeHeader(int64_t t, const RequestShape& shape, std::mt19937_64& rng,
+                              std::string* payload) {
+  const int64_t hidden = shape.hidden, top_k = shape.top_k;
   v1::ForwardRequest req;
   req.set_layer(0);
   req.set_map_version(1);
@@ -98,17 +178,30 @@ v1::ForwardRequest MakeHeader(int64_t t, int64_t hidden, std::string* payload) {
   hs->mutable_data()->add_shape(hidden);
   payload->assign(static_cast<size_t>(t * hidden * 2), '\0');
   for (size_t i = 0; i < payload->size(); i += 2) (*payload)[i + 1] = 0x3f;  // BF16 ~0.5..1
-  const std::vector<int32_t> ids(t * kTopK, -1);
-  const std::vector<float> w(t * kTopK, 0.f);
+  std::vector<int32_t> ids(t * top_k, -1);
+  std::vector<float> w(t * top_k, 0.f);
+  if (shape.routed) {
+    std::vector<int32_t> all(static_cast<size_t>(shape.experts));
+    for (int64_t e = 0; e < shape.experts; ++e) all[e] = static_cast<int32_t>(e);
+    for (int64_t i = 0; i < t; ++i) {
+      // A partial Fisher-Yates shuffle: the first top_k are distinct and uniform.
+      for (int64_t k = 0; k < top_k; ++k) {
+        std::uniform_int_distribution<int64_t> pick(k, shape.experts - 1);
+        std::swap(all[k], all[pick(rng)]);
+        ids[i * top_k + k] = all[k];
+        w[i * top_k + k] = 1.f / static_cast<float>(top_k);
+      }
+    }
+  }
   v1::Tensor* ti = req.mutable_topk_ids();
   ti->set_dtype(v1::I32);
   ti->add_shape(t);
-  ti->add_shape(kTopK);
+  ti->add_shape(top_k);
   ti->set_data(std::string(reinterpret_cast<const char*>(ids.data()), ids.size() * 4));
   v1::Tensor* tw = req.mutable_topk_weights();
   tw->set_dtype(v1::F32);
   tw->add_shape(t);
-  tw->add_shape(kTopK);
+  tw->add_shape(top_k);
   tw->set_data(std::string(reinterpret_cast<const char*>(w.data()), w.size() * 4));
   return req;
 }
@@ -124,12 +217,17 @@ std::shared_ptr<grpc::Channel> NewChannel(const std::string& address) {
 // One client: a call function bound to its channel and request.
 class Client {
  public:
-  Client(const std::string& mode, const std::string& address, int64_t t, int64_t hidden)
+  Client(const std::string& mode, const std::string& address, int64_t t,
+         const RequestShape& shape, uint64_t seed)
       : raw_(mode == "raw"), shm_(mode == "shm"), shm_channel_(mode == "channel"),
+        ping_(mode == "ping"), stream_(mode == "stream"),
         channel_(NewChannel(address)),
         stub_(v1::ExpertShard::NewStub(channel_)),
         shm_stub_(v1::SharedMemoryShard::NewStub(channel_)) {
-    header_ = MakeHeader(t, hidden, &payload_);
+    std::mt19937_64 rng(seed);
+    for (int i = 0; i < (shape.routed ? kRoutings : 1); ++i) {
+      headers_.push_back(MakeHeader(t, shape, rng, &payload_));
+    }
     if (shm_) {
       SetUpSharedMemory();
     } else if (shm_channel_) {
@@ -143,16 +241,33 @@ class Client {
         shm_channel_client_->set_spin(absl::Microseconds(spin));
       }
       std::memcpy(shm_channel_client_->data().data(), payload_.data(), payload_.size());
-      *shm_request_.mutable_request() = header_;
-      shm_request_.mutable_hidden_states()->set_length(payload_.size());
-      shm_request_.mutable_output()->set_offset(payload_.size());
-      shm_request_.mutable_output()->set_length(payload_.size());
+      for (const v1::ForwardRequest& header : headers_) {
+        v1::ShmForwardRequest& r = shm_requests_.emplace_back();
+        *r.mutable_request() = header;
+        r.mutable_hidden_states()->set_length(payload_.size());
+        r.mutable_output()->set_offset(payload_.size());
+        r.mutable_output()->set_length(payload_.size());
+      }
     } else if (!raw_) {
-      full_ = header_;
-      full_.mutable_hidden_states()->mutable_data()->set_data(payload_);
+      for (const v1::ForwardRequest& header : headers_) {
+        v1::ForwardRequest& full = fulls_.emplace_back(header);
+        full.mutable_hidden_states()->mutable_data()->set_data(payload_);
+      }
+    }
+    if (stream_) {
+      stream_ctx_.set_deadline(absl::ToChronoTime(absl::Now() + absl::Hours(1)));
+      stream_rw_ = stub_->ForwardStream(&stream_ctx_);
     }
   }
+
+  // Calls a warm-up needs: every routing twice (a CUDA backend captures a shape's graph at its
+  // second sighting).
+  int WarmUpCalls() const { return 2 * static_cast<int>(headers_.size()); }
   ~Client() {
+    if (stream_rw_ != nullptr) {
+      stream_rw_->WritesDone();
+      (void)stream_rw_->Finish();
+    }
     if (shm_base_ == nullptr) return;
     munmap(shm_base_, 2 * payload_.size());
     shm_unlink(shm_key_.c_str());
@@ -161,15 +276,29 @@ class Client {
 
   // One call; OK only when the output has the expected size.
   absl::Status Call() {
+    const size_t v = next_++ % headers_.size();
     if (shm_channel_) {
       v1::ForwardResponse response;
-      return shm_channel_client_->Forward(shm_request_, &response, absl::Seconds(60));
+      return shm_channel_client_->Forward(shm_requests_[v], &response, absl::Seconds(60));
+    }
+    if (stream_) {
+      v1::ForwardResponse response;
+      if (!stream_rw_->Write(fulls_[v]) || !stream_rw_->Read(&response)) {
+        return absl::UnavailableError("ForwardStream ended");
+      }
+      return CheckSize(response.output().data().size());
     }
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+    if (ping_) {
+      v1::ShardInfo info;
+      grpc::Status s = stub_->GetInfo(&ctx, v1::GetInfoRequest(), &info);
+      if (!s.ok()) return absl::UnknownError(absl::StrCat(s.error_code(), ": ", s.error_message()));
+      return absl::OkStatus();
+    }
     if (shm_) {
       v1::ForwardResponse response;
-      grpc::Status s = shm_stub_->Forward(&ctx, shm_request_, &response);
+      grpc::Status s = shm_stub_->Forward(&ctx, shm_requests_[v], &response);
       if (!s.ok()) return absl::UnknownError(absl::StrCat(s.error_code(), ": ", s.error_message()));
       return absl::OkStatus();
     }
@@ -178,13 +307,13 @@ class Client {
       // input), copied once out of the received slices.
       output_.resize(payload_.size());
       absl::StatusOr<v1::ForwardResponse> r = ForwardRawInto(
-          channel_.get(), &ctx, header_, payload_,
+          channel_.get(), &ctx, headers_[v], payload_,
           absl::Span<uint8_t>(reinterpret_cast<uint8_t*>(output_.data()), output_.size()));
       if (!r.ok()) return r.status();
       return absl::OkStatus();
     }
     v1::ForwardResponse response;
-    grpc::Status s = stub_->Forward(&ctx, full_, &response);
+    grpc::Status s = stub_->Forward(&ctx, fulls_[v], &response);
     if (!s.ok()) return absl::UnknownError(absl::StrCat(s.error_code(), ": ", s.error_message()));
     return CheckSize(response.output().data().size());
   }
@@ -221,26 +350,34 @@ class Client {
       std::fprintf(stderr, "rpc_bench: register: %s\n", s.error_message().c_str());
       std::exit(1);
     }
-    *shm_request_.mutable_request() = header_;
-    for (auto [ref, offset] : {std::pair{shm_request_.mutable_hidden_states(), size_t{0}},
-                               std::pair{shm_request_.mutable_output(), payload_.size()}}) {
-      ref->set_region_id(shm_key_);
-      ref->set_offset(offset);
-      ref->set_length(payload_.size());
+    for (const v1::ForwardRequest& header : headers_) {
+      v1::ShmForwardRequest& r = shm_requests_.emplace_back();
+      *r.mutable_request() = header;
+      for (auto [ref, offset] : {std::pair{r.mutable_hidden_states(), size_t{0}},
+                                 std::pair{r.mutable_output(), payload_.size()}}) {
+        ref->set_region_id(shm_key_);
+        ref->set_offset(offset);
+        ref->set_length(payload_.size());
+      }
     }
   }
 
-  const bool raw_, shm_, shm_channel_;
+  const bool raw_, shm_, shm_channel_, ping_, stream_;
   std::unique_ptr<ShmChannel> shm_channel_client_;
   std::string output_;  // raw mode: the caller's output buffer, reused
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::ExpertShard::Stub> stub_;
   std::unique_ptr<v1::SharedMemoryShard::Stub> shm_stub_;
-  v1::ShmForwardRequest shm_request_;
+  // stream mode: the client's one ForwardStream (its context must outlive it).
+  grpc::ClientContext stream_ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::ForwardRequest, v1::ForwardResponse>> stream_rw_;
+  std::vector<v1::ShmForwardRequest> shm_requests_;  // one per routing (shm, channel)
   std::string shm_key_;
   char* shm_base_ = nullptr;
-  v1::ForwardRequest header_, full_;
+  std::vector<v1::ForwardRequest> headers_;  // one per routing
+  std::vector<v1::ForwardRequest> fulls_;    // proto: headers_ with the payload inline
   std::string payload_;
+  size_t next_ = 0;
 };
 
 double Percentile(std::vector<double>& v, double q) {
@@ -250,13 +387,15 @@ double Percentile(std::vector<double>& v, double q) {
   return v[i];
 }
 
-CaseResult RunCase(const Case& c, const std::string& address, int64_t hidden, double seconds) {
+CaseResult RunCase(const Case& c, const std::string& address, const RequestShape& shape,
+                   double seconds, BenchObserver& observer) {
   CaseResult r;
   r.c = c;
-  r.payload_bytes = c.tokens * hidden * 2;
+  r.payload_bytes = c.tokens * shape.hidden * 2;
   std::vector<std::unique_ptr<Client>> clients;
   for (int i = 0; i < c.clients; ++i) {
-    clients.push_back(std::make_unique<Client>(c.mode, address, c.tokens, hidden));
+    clients.push_back(std::make_unique<Client>(c.mode, address, c.tokens, shape,
+                                               /*seed=*/1000003 * (c.tokens + 1) + i));
   }
   absl::Mutex mu;
   std::vector<double> latencies_us;
@@ -267,7 +406,8 @@ CaseResult RunCase(const Case& c, const std::string& address, int64_t hidden, do
   for (int i = 0; i < c.clients; ++i) {
     threads.emplace_back([&, i] {
       Client& client = *clients[i];
-      (void)client.Call();  // connect and warm up outside the timed window
+      // Connect and warm up outside the timed window.
+      for (int w = 0; w < client.WarmUpCalls(); ++w) (void)client.Call();
       warm.fetch_add(1);
       go.WaitForNotification();
       std::vector<double> mine;
@@ -292,10 +432,17 @@ CaseResult RunCase(const Case& c, const std::string& address, int64_t hidden, do
     });
   }
   while (warm.load() < c.clients) absl::SleepFor(absl::Milliseconds(1));
+  observer.Reset();
   start = absl::Now();
   end = start;
   go.Notify();
   for (std::thread& t : threads) t.join();
+  BenchObserver::Taken shard = observer.Take();
+  r.shard_p50_us = Percentile(shard.forward_us, 0.5);
+  r.batch_p50_us = Percentile(shard.batch_us, 0.5);
+  r.batches = static_cast<int64_t>(shard.batch_us.size());
+  r.requests_per_batch =
+      r.batches > 0 ? static_cast<double>(shard.batch_requests) / static_cast<double>(r.batches) : 0;
   r.calls = static_cast<int64_t>(latencies_us.size());
   r.wall_s = absl::ToDoubleSeconds(end - start);
   double sum = 0;
@@ -375,47 +522,111 @@ nlohmann::json ToJson(const CaseResult& r) {
           {"calls", r.calls},          {"errors", r.errors},
           {"first_error", r.first_error}, {"wall_s", r.wall_s},
           {"p50_us", r.p50_us},        {"p99_us", r.p99_us},
-          {"mean_us", r.mean_us},      {"effective_gbps", r.effective_gbps}};
+          {"mean_us", r.mean_us},      {"effective_gbps", r.effective_gbps},
+          {"shard_p50_us", r.shard_p50_us}, {"batch_p50_us", r.batch_p50_us},
+          {"batches", r.batches},      {"requests_per_batch", r.requests_per_batch}};
 }
 
 int Main() {
   const bool tuned = absl::GetFlag(FLAGS_tune_allocator) && TuneAllocatorForLargeBuffers();
   const int64_t hidden = absl::GetFlag(FLAGS_hidden);
-  char dir_template[] = "/tmp/rpc_bench_XXXXXX";
-  const char* dir = mkdtemp(dir_template);
+  const std::string routes = absl::GetFlag(FLAGS_routes);
+  const std::string format = absl::GetFlag(FLAGS_format);
+  if (routes != "none" && routes != "uniform") {
+    std::fprintf(stderr, "rpc_bench: --routes must be none or uniform, not '%s'\n", routes.c_str());
+    return 2;
+  }
+  if (format != "mxfp4" && format != "nvfp4") {
+    std::fprintf(stderr, "rpc_bench: --format must be mxfp4 or nvfp4, not '%s'\n", format.c_str());
+    return 2;
+  }
+  RequestShape shape;
+  shape.hidden = hidden;
+  shape.top_k = absl::GetFlag(FLAGS_top_k);
+  shape.experts = absl::GetFlag(FLAGS_experts);
+  shape.routed = routes == "uniform";
+  if (shape.top_k < 1 || shape.experts < shape.top_k) {
+    std::fprintf(stderr, "rpc_bench: need 1 <= --top_k <= --experts\n");
+    return 2;
+  }
+  // The model: in --model_dir (generated there once), or in a temporary directory removed at
+  // exit (a problem-A-sized layer is 1.7 GB).
+  std::string dir = absl::GetFlag(FLAGS_model_dir);
+  const bool temporary = dir.empty();
+  if (temporary) {
+    char dir_template[] = "/tmp/rpc_bench_XXXXXX";
+    if (mkdtemp(dir_template) == nullptr) {
+      std::perror("rpc_bench: mkdtemp");
+      return 1;
+    }
+    dir = dir_template;
+  }
+  struct RemoveAtExit {
+    std::string path;
+    ~RemoveAtExit() {
+      std::error_code ignored;
+      if (!path.empty()) std::filesystem::remove_all(path, ignored);
+    }
+  } remove_at_exit{temporary ? dir : std::string()};
   model::GenerateOptions gen;
+  gen.format = format == "nvfp4" ? WeightFormat::kNvfp4 : WeightFormat::kMxfp4;
   gen.layers = 1;
   gen.hidden = hidden;
-  if (dir == nullptr || !model::GenerateModel(gen, dir).ok()) {
-    std::fprintf(stderr, "rpc_bench: cannot generate the model\n");
-    return 1;
+  gen.experts = shape.experts;
+  gen.top_k = shape.top_k;
+  gen.intermediate = absl::GetFlag(FLAGS_intermediate);
+  const absl::Time gen_start = absl::Now();
+  const bool generate = !std::filesystem::exists(std::filesystem::path(dir) / "config.json");
+  if (generate) {
+    if (absl::Status s = model::GenerateModel(gen, dir); !s.ok()) {
+      std::fprintf(stderr, "rpc_bench: cannot generate the model: %s\n", s.ToString().c_str());
+      return 1;
+    }
+    std::printf("model: %s, %lld experts, top-%lld, H=%lld, I=%lld (generated in %.1f s)\n",
+                format.c_str(), static_cast<long long>(gen.experts),
+                static_cast<long long>(gen.top_k), static_cast<long long>(gen.hidden),
+                static_cast<long long>(gen.intermediate),
+                absl::ToDoubleSeconds(absl::Now() - gen_start));
+  } else {
+    std::printf("model: the checkpoint in %s (its own shape; the model flags are not used)\n",
+                dir.c_str());
   }
+  BenchObserver observer;
   InProcessShardOptions options;
   options.model_dir = dir;
   options.backend = absl::GetFlag(FLAGS_backend);
   options.max_batch_tokens = 1 << 20;
+  options.observer = &observer;
   absl::StatusOr<std::unique_ptr<InProcessShard>> shard = InProcessShard::Start(options);
   if (!shard.ok()) {
     std::fprintf(stderr, "rpc_bench: %s\n", shard.status().ToString().c_str());
     return 1;
   }
+  // Requests follow the served model (a --model_dir checkpoint has its own shape).
+  const ServedModel& served = (*shard)->model();
+  shape.hidden = served.hidden;
+  shape.top_k = served.top_k;
+  shape.experts = served.num_experts;
   const double tcp_gbps = TcpLoopbackGbps(64 << 20, 16);
   std::printf("raw TCP loopback (64 MiB buffers): %.2f GB/s\n", tcp_gbps);
-  std::printf("%-6s %8s %10s %7s %7s %6s %10s %10s %8s\n", "mode", "tokens", "payload", "clients",
-              "calls", "errors", "p50_us", "p99_us", "GB/s");
+  std::printf("%-7s %8s %10s %7s %7s %6s %10s %10s %10s %10s %6s %8s\n", "mode", "tokens",
+              "payload", "clients", "calls", "errors", "p50_us", "p99_us", "shard_p50",
+              "batch_p50", "req/b", "GB/s");
   nlohmann::json cases = nlohmann::json::array();
   const int64_t cap = absl::GetFlag(FLAGS_max_inflight_mib) << 20;
   for (int64_t t : ParseList(absl::GetFlag(FLAGS_tokens))) {
     for (int64_t n : ParseList(absl::GetFlag(FLAGS_clients))) {
-      if (n > 1 && n * t * hidden * 2 > cap) continue;
+      if (n > 1 && n * t * shape.hidden * 2 > cap) continue;
       for (absl::string_view mode : absl::StrSplit(absl::GetFlag(FLAGS_modes), ',')) {
-        const CaseResult r = RunCase({std::string(mode), t, static_cast<int>(n)},
-                                     (*shard)->address(), hidden, absl::GetFlag(FLAGS_seconds));
-        std::printf("%-6s %8lld %10lld %7d %7lld %6lld %10.1f %10.1f %8.3f %s\n",
+        const CaseResult r =
+            RunCase({std::string(mode), t, static_cast<int>(n)}, (*shard)->address(), shape,
+                    absl::GetFlag(FLAGS_seconds), observer);
+        std::printf("%-7s %8lld %10lld %7d %7lld %6lld %10.1f %10.1f %10.1f %10.1f %6.2f %8.3f %s\n",
                     r.c.mode.c_str(), static_cast<long long>(t),
                     static_cast<long long>(r.payload_bytes), r.c.clients,
                     static_cast<long long>(r.calls), static_cast<long long>(r.errors), r.p50_us,
-                    r.p99_us, r.effective_gbps, r.first_error.c_str());
+                    r.p99_us, r.shard_p50_us, r.batch_p50_us, r.requests_per_batch,
+                    r.effective_gbps, r.first_error.c_str());
         std::fflush(stdout);
         cases.push_back(ToJson(r));
       }
@@ -424,15 +635,26 @@ int Main() {
   const nlohmann::json out = {
       {"bench", "rpc_bench"},
       {"date", Today()},
-      {"hidden", hidden},
+      {"hidden", shape.hidden},
+      {"routes", routes},
+      {"experts", shape.experts},
+      {"top_k", shape.top_k},
+      {"intermediate", served.intermediate},
+      {"model_generated", generate},
+      {"format", generate ? format : std::string("as in the checkpoint")},
       {"cpus", std::thread::hardware_concurrency()},
       {"backend", options.backend},
       {"allocator_tuned", tuned},
       {"channel_spin_us", absl::GetFlag(FLAGS_channel_spin_us) >= 0
                               ? absl::GetFlag(FLAGS_channel_spin_us)
                               : static_cast<int64_t>(kShmChannelSpin.count())},
-      {"note", "routes all -1: transport + staging, no expert compute; effective_gbps = 2 * "
-               "payload_bytes * calls / wall_s (request + response payloads)"},
+      {"note", absl::StrCat(shape.routed
+                                ? "routes uniform over the experts: transport + staging + expert "
+                                  "compute on the backend"
+                                : "routes all -1: transport + staging, no expert compute",
+                            "; shard_p50_us: the shard's own time per Forward, batch_p50_us: "
+                            "per executor batch (backend Run); effective_gbps = 2 * "
+                            "payload_bytes * calls / wall_s (request + response payloads)")},
       {"tcp_loopback_gbps", tcp_gbps},
       {"cases", cases}};
   std::string path = absl::GetFlag(FLAGS_out_json);
@@ -452,7 +674,11 @@ int Main() {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "rpc_bench [--tokens 1,16,...] [--clients 1,4,...] [--modes proto,raw,shm,channel]\n"
-      "Forward transport benchmark (protobuf vs raw-buffer) against an in-process shard.");
+      "          [--routes none|uniform --backend cpu|cuda --experts --top_k --intermediate\n"
+      "           --hidden --format mxfp4|nvfp4]\n"
+      "Forward transport benchmark (protobuf, raw buffers, shared memory, request channel) "
+      "against an in-process shard; with --routes=uniform, the served latency of real expert "
+      "compute on --backend.");
   absl::ParseCommandLine(argc, argv);
   return moe::Main();
 }

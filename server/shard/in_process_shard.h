@@ -17,6 +17,7 @@
 #include "grpcpp/grpcpp.h"
 #include "kernels/backend.h"
 #include "server/shard/model_source.h"
+#include "server/shard/observer.h"
 #include "server/shard/raw_forward.h"
 #include "server/shard/service.h"
 #include "server/shard/shm_forward.h"
@@ -28,6 +29,9 @@ struct InProcessShardOptions {
   std::string backend = "cpu-reference";
   int64_t max_message_bytes = 256 << 20;  // receive and send limit (moe_shard's)
   int64_t max_batch_tokens = 8192;
+  // Told about every Forward and executor batch (ShardObserver); borrowed, may be null, must
+  // outlive the shard.
+  ShardObserver* observer = nullptr;
 };
 
 class InProcessShard {
