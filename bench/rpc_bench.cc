@@ -52,6 +52,7 @@
 #include "absl/time/time.h"
 #include "client/raw_forward.h"
 #include "client/shm_channel.h"
+#include "kernels/cuda/cuda_backend.h"
 #include "moe/v1/shard.grpc.pb.h"
 #include "moe/v1/shm.grpc.pb.h"
 #include "nlohmann/json.hpp"
@@ -69,6 +70,9 @@ ABSL_FLAG(std::string, modes, "proto,raw,shm,channel",
           "one request and its response per call on a bidirectional stream opened once per "
           "client), ping (GetInfo: a small "
           "unary call with no payload and no executor, the gRPC floor of this host)");
+ABSL_FLAG(bool, pin_shm, true,
+          "register the clients' shared-memory regions with the backend too (a CUDA backend "
+          "pins them and reads and writes large batches in place; false: staged copies)");
 ABSL_FLAG(std::string, model_dir, "",
           "use the checkpoint in this directory, generating it there first when it has no "
           "config.json (kept afterwards); empty: a temporary directory, removed at exit");
@@ -120,6 +124,9 @@ struct CaseResult {
   // The shard's side (BenchObserver) over the timed window.
   double shard_p50_us = 0, batch_p50_us = 0, requests_per_batch = 0;
   int64_t batches = 0;
+  // CUDA backend: Runs that moved hidden states or output straight from or to a registered
+  // shared-memory region (CudaBackendCounters::direct_runs), warm-up included.
+  int64_t direct_runs = 0;
 };
 
 // The shard's own timings: every Forward's latency inside the shard and every executor batch's
@@ -388,7 +395,8 @@ double Percentile(std::vector<double>& v, double q) {
 }
 
 CaseResult RunCase(const Case& c, const std::string& address, const RequestShape& shape,
-                   double seconds, BenchObserver& observer) {
+                   double seconds, BenchObserver& observer, const ExpertBackend& backend) {
+  const int64_t direct_before = GetCudaBackendCounters(backend).direct_runs;
   CaseResult r;
   r.c = c;
   r.payload_bytes = c.tokens * shape.hidden * 2;
@@ -443,6 +451,7 @@ CaseResult RunCase(const Case& c, const std::string& address, const RequestShape
   r.batches = static_cast<int64_t>(shard.batch_us.size());
   r.requests_per_batch =
       r.batches > 0 ? static_cast<double>(shard.batch_requests) / static_cast<double>(r.batches) : 0;
+  r.direct_runs = GetCudaBackendCounters(backend).direct_runs - direct_before;
   r.calls = static_cast<int64_t>(latencies_us.size());
   r.wall_s = absl::ToDoubleSeconds(end - start);
   double sum = 0;
@@ -524,7 +533,8 @@ nlohmann::json ToJson(const CaseResult& r) {
           {"p50_us", r.p50_us},        {"p99_us", r.p99_us},
           {"mean_us", r.mean_us},      {"effective_gbps", r.effective_gbps},
           {"shard_p50_us", r.shard_p50_us}, {"batch_p50_us", r.batch_p50_us},
-          {"batches", r.batches},      {"requests_per_batch", r.requests_per_batch}};
+          {"batches", r.batches},      {"requests_per_batch", r.requests_per_batch},
+          {"direct_runs", r.direct_runs}};
 }
 
 int Main() {
@@ -597,6 +607,7 @@ int Main() {
   options.backend = absl::GetFlag(FLAGS_backend);
   options.max_batch_tokens = 1 << 20;
   options.observer = &observer;
+  options.pin_shared_memory = absl::GetFlag(FLAGS_pin_shm);
   absl::StatusOr<std::unique_ptr<InProcessShard>> shard = InProcessShard::Start(options);
   if (!shard.ok()) {
     std::fprintf(stderr, "rpc_bench: %s\n", shard.status().ToString().c_str());
@@ -609,9 +620,9 @@ int Main() {
   shape.experts = served.num_experts;
   const double tcp_gbps = TcpLoopbackGbps(64 << 20, 16);
   std::printf("raw TCP loopback (64 MiB buffers): %.2f GB/s\n", tcp_gbps);
-  std::printf("%-7s %8s %10s %7s %7s %6s %10s %10s %10s %10s %6s %8s\n", "mode", "tokens",
+  std::printf("%-7s %8s %10s %7s %7s %6s %10s %10s %10s %10s %6s %8s %7s\n", "mode", "tokens",
               "payload", "clients", "calls", "errors", "p50_us", "p99_us", "shard_p50",
-              "batch_p50", "req/b", "GB/s");
+              "batch_p50", "req/b", "GB/s", "direct");
   nlohmann::json cases = nlohmann::json::array();
   const int64_t cap = absl::GetFlag(FLAGS_max_inflight_mib) << 20;
   for (int64_t t : ParseList(absl::GetFlag(FLAGS_tokens))) {
@@ -620,13 +631,13 @@ int Main() {
       for (absl::string_view mode : absl::StrSplit(absl::GetFlag(FLAGS_modes), ',')) {
         const CaseResult r =
             RunCase({std::string(mode), t, static_cast<int>(n)}, (*shard)->address(), shape,
-                    absl::GetFlag(FLAGS_seconds), observer);
-        std::printf("%-7s %8lld %10lld %7d %7lld %6lld %10.1f %10.1f %10.1f %10.1f %6.2f %8.3f %s\n",
-                    r.c.mode.c_str(), static_cast<long long>(t),
-                    static_cast<long long>(r.payload_bytes), r.c.clients,
-                    static_cast<long long>(r.calls), static_cast<long long>(r.errors), r.p50_us,
-                    r.p99_us, r.shard_p50_us, r.batch_p50_us, r.requests_per_batch,
-                    r.effective_gbps, r.first_error.c_str());
+                    absl::GetFlag(FLAGS_seconds), observer, (*shard)->backend());
+        std::printf(
+            "%-7s %8lld %10lld %7d %7lld %6lld %10.1f %10.1f %10.1f %10.1f %6.2f %8.3f %7lld %s\n",
+            r.c.mode.c_str(), static_cast<long long>(t), static_cast<long long>(r.payload_bytes),
+            r.c.clients, static_cast<long long>(r.calls), static_cast<long long>(r.errors),
+            r.p50_us, r.p99_us, r.shard_p50_us, r.batch_p50_us, r.requests_per_batch,
+            r.effective_gbps, static_cast<long long>(r.direct_runs), r.first_error.c_str());
         std::fflush(stdout);
         cases.push_back(ToJson(r));
       }
@@ -644,6 +655,7 @@ int Main() {
       {"format", generate ? format : std::string("as in the checkpoint")},
       {"cpus", std::thread::hardware_concurrency()},
       {"backend", options.backend},
+      {"pin_shm", options.pin_shared_memory},
       {"allocator_tuned", tuned},
       {"channel_spin_us", absl::GetFlag(FLAGS_channel_spin_us) >= 0
                               ? absl::GetFlag(FLAGS_channel_spin_us)

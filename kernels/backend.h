@@ -8,6 +8,7 @@
 #ifndef MOE_KERNELS_BACKEND_H_
 #define MOE_KERNELS_BACKEND_H_
 
+#include <cstddef>
 #include <memory>
 #include <string>
 
@@ -37,6 +38,20 @@ class ExpertBackend {
   // Runs one staged batch. REQUIRES: PrepareLayer(layer_index, layer) succeeded.
   [[nodiscard]] virtual absl::Status Run(int layer_index, const ExpertLayer& layer,
                                          const ExpertsRequest& request) = 0;
+
+  // Long-lived host memory whose bytes later requests will hold as tensors (a same-host
+  // frontend's shared-memory region): a backend may pin it once, so that the hidden states and
+  // output of batches inside it move without a staging copy. An optimization only: an error means
+  // the memory is used as any other. The range must stay mapped until UnregisterHostMemory(data)
+  // has returned; that waits for a Run in progress. Unlike Run, both may be called from any thread
+  // at any time. The defaults do nothing.
+  [[nodiscard]] virtual absl::Status RegisterHostMemory(void* data, size_t bytes) {
+    (void)data;
+    (void)bytes;
+    return absl::OkStatus();
+  }
+  // No-op for memory that was never registered (or whose registration failed).
+  virtual void UnregisterHostMemory(void* data) { (void)data; }
 };
 
 // name: "auto" (CUDA when a device is present and the binary has CUDA, else CPU), "cpu",

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <deque>
 #include <memory>
@@ -117,6 +118,12 @@ class CudaExpertBackend final : public ExpertBackend {
       for (cudaEvent_t e : copy_events_) cudaEventDestroy(e);
     }
     {
+      // Memory still registered stays the caller's; only its pinning ends here.
+      absl::MutexLock lock(&registered_mu_);
+      for (const auto& [base, bytes] : registered_) cudaHostUnregister(reinterpret_cast<void*>(base));
+      registered_.clear();
+    }
+    {
       absl::MutexLock lock(&layers_mu_);
       layers_.clear();
     }
@@ -126,6 +133,10 @@ class CudaExpertBackend final : public ExpertBackend {
   CudaBackendCounters counters() const {
     absl::MutexLock lock(&run_mu_);
     CudaBackendCounters n = counters_;
+    {
+      absl::MutexLock registered(&registered_mu_);
+      n.registered_bytes = static_cast<int64_t>(registered_total_);
+    }
     n.fused_layer_launches = runner_.fused_layer_launches();
     n.item_ready_launches = runner_.item_ready_launches();
     return n;
@@ -182,7 +193,12 @@ class CudaExpertBackend final : public ExpertBackend {
   absl::Status Run(int layer_index, const ExpertLayer& layer,
                    const ExpertsRequest& request) override;
 
+  absl::Status RegisterHostMemory(void* data, size_t bytes) override;
+  void UnregisterHostMemory(void* data) override;
+
  private:
+  // Whether [data, data + bytes) lies inside one registered range.
+  bool InRegistered(const void* data, size_t bytes) const ABSL_LOCKS_EXCLUDED(registered_mu_);
   absl::StatusOr<std::shared_ptr<const DeviceVersion>> Prepared(int layer_index,
                                                                 const ExpertLayer& layer)
       ABSL_LOCKS_EXCLUDED(layers_mu_);
@@ -209,9 +225,11 @@ class CudaExpertBackend final : public ExpertBackend {
     size_t out_bytes = 0;
   };
   // Copies the inputs into the device arena (through the pinned buffer when `pinned`; with
-  // kKernelsWithBatch only into the pinned buffer).
+  // kKernelsWithBatch only into the pinned buffer). `hidden_direct`: the hidden states are in
+  // registered memory and move straight from there (pinned batches only).
   absl::Status CopyIn(const ExpertsRequest& request, bool with_mask, const ArenaLayout& at,
-                      bool pinned, Moves moves) ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
+                      bool pinned, Moves moves, bool hidden_direct)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
   // Copies the output back (through the pinned buffer when `pinned`; with kKernelsWithBatch the
   // move to it is already enqueued) and waits for it.
   absl::Status CopyOut(const ExpertsRequest& request, const ArenaLayout& at, bool pinned,
@@ -275,6 +293,11 @@ class CudaExpertBackend final : public ExpertBackend {
   uint64_t graph_layers_ ABSL_GUARDED_BY(run_mu_) = 0;
   std::atomic<uint64_t> layers_generation_{0};
   CudaBackendCounters counters_ ABSL_GUARDED_BY(run_mu_);
+  // Host memory pinned by RegisterHostMemory: base address -> bytes. Taken after run_mu_ where
+  // both are held.
+  mutable absl::Mutex registered_mu_;
+  std::map<uintptr_t, size_t> registered_ ABSL_GUARDED_BY(registered_mu_);
+  size_t registered_total_ ABSL_GUARDED_BY(registered_mu_) = 0;
   // Threads of the host copies into and out of the pinned buffer (one Run at a time uses it).
   std::unique_ptr<cpu::ThreadPool> copy_pool_;
   std::vector<cudaEvent_t> copy_events_ ABSL_GUARDED_BY(run_mu_);  // one per output piece
@@ -335,7 +358,8 @@ CudaExpertBackend::ArenaLayout CudaExpertBackend::Layout(const ExpertsRequest& r
 }
 
 absl::Status CudaExpertBackend::CopyIn(const ExpertsRequest& request, bool with_mask,
-                                       const ArenaLayout& at, bool pinned, Moves moves) {
+                                       const ArenaLayout& at, bool pinned, Moves moves,
+                                       bool hidden_direct) {
   const struct {
     size_t offset;
     const TensorView& view;
@@ -358,9 +382,24 @@ absl::Status CudaExpertBackend::CopyIn(const ExpertsRequest& request, bool with_
     }
     return absl::OkStatus();
   }
+  // Registered hidden states: one copy-engine transfer straight from the caller's pinned
+  // memory, running while the host fills the pinned buffer with the rest (which starts at the
+  // 256-aligned at.ids, past the hidden states: the host never copies them).
+  size_t first = 0;
+  if (hidden_direct) {
+    if (absl::Status s = CudaStatus(
+            cudaMemcpyAsync(device + at.hidden, request.hidden_states.data,
+                            static_cast<size_t>(request.hidden_states.NumBytes()),
+                            cudaMemcpyHostToDevice, stream_),
+            "input copy");
+        !s.ok()) {
+      return s;
+    }
+    first = at.ids;
+  }
   // Pinned: the inputs' span of the arena layout piece by piece (one piece for small batches),
   // each piece's host-to-device copy running while the host fills the next.
-  for (size_t begin = 0; begin < at.in_bytes; begin += kCopyPieceBytes) {
+  for (size_t begin = first; begin < at.in_bytes; begin += kCopyPieceBytes) {
     const size_t end = std::min(at.in_bytes, begin + kCopyPieceBytes);
     for (const auto& in : inputs) {
       if (&in.view == &request.shared_mask && !with_mask) continue;
@@ -631,8 +670,20 @@ absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
                 ? Moves::kKernelsWithBatch
                 : Moves::kKernels;
   }
+  // Hidden states and output in registered memory: straight to and from the device (eager
+  // pinned batches; larger ones copy every tensor from the caller's memory anyway).
+  const auto direct = [&](const TensorView& v) {
+    const int64_t bytes = v.NumBytes();
+    return pinned && moves != Moves::kKernelsWithBatch && options_.max_registered_bytes > 0 &&
+           bytes >= options_.registered_direct_min_bytes &&
+           InRegistered(v.data, static_cast<size_t>(bytes));
+  };
+  const bool hidden_direct = direct(request.hidden_states);
+  const bool out_direct = direct(request.out);
   t = AddElapsed(t, &counters_.prepare_ns);
-  if (absl::Status s = CopyIn(request, with_mask, at, pinned, moves); !s.ok()) return s;
+  if (absl::Status s = CopyIn(request, with_mask, at, pinned, moves, hidden_direct); !s.ok()) {
+    return s;
+  }
   t = AddElapsed(t, &counters_.copy_in_ns);
   uint8_t* device = arena_.as<uint8_t>();
   cuda::DeviceBatch batch;
@@ -657,10 +708,65 @@ absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
     return s;
   }
   AddElapsed(t, &counters_.enqueue_ns);
-  if (absl::Status s = CopyOut(request, at, pinned, moves); !s.ok()) return s;
+  // A registered output: one copy-engine transfer into it (CopyOut's unstaged form).
+  if (absl::Status s = CopyOut(request, at, pinned && !out_direct, moves); !s.ok()) return s;
   if (pinned) ++counters_.pinned_runs;
   if (moves != Moves::kCopyEngine) ++counters_.kernel_copy_runs;
+  if (hidden_direct || out_direct) ++counters_.direct_runs;
   return absl::OkStatus();
+}
+
+absl::Status CudaExpertBackend::RegisterHostMemory(void* data, size_t bytes) {
+  if (data == nullptr || bytes == 0) {
+    return absl::InvalidArgumentError("cuda backend: RegisterHostMemory of an empty range");
+  }
+  {
+    absl::MutexLock lock(&registered_mu_);
+    if (registered_total_ + bytes > static_cast<uint64_t>(std::max<int64_t>(
+                                        0, options_.max_registered_bytes))) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cuda backend: registering ", bytes, " bytes would pin more than max_registered_bytes (",
+          options_.max_registered_bytes, "; ", registered_total_, " pinned now)"));
+    }
+  }
+  if (absl::Status s = CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice"); !s.ok()) {
+    return s;
+  }
+  // Pinning a large range takes a while: outside the locks, so Runs go on meanwhile.
+  if (absl::Status s =
+          CudaStatus(cudaHostRegister(data, bytes, cudaHostRegisterPortable), "cudaHostRegister");
+      !s.ok()) {
+    cudaGetLastError();  // clears a non-sticky error (e.g. already registered)
+    return s;
+  }
+  absl::MutexLock lock(&registered_mu_);
+  registered_[reinterpret_cast<uintptr_t>(data)] = bytes;
+  registered_total_ += bytes;
+  return absl::OkStatus();
+}
+
+void CudaExpertBackend::UnregisterHostMemory(void* data) {
+  // run_mu_ first: a Run in progress may be reading or writing the range; later ones no longer
+  // find it.
+  absl::MutexLock run(&run_mu_);
+  {
+    absl::MutexLock lock(&registered_mu_);
+    auto it = registered_.find(reinterpret_cast<uintptr_t>(data));
+    if (it == registered_.end()) return;
+    registered_total_ -= it->second;
+    registered_.erase(it);
+  }
+  cudaSetDevice(options_.device);
+  if (cudaHostUnregister(data) != cudaSuccess) cudaGetLastError();
+}
+
+bool CudaExpertBackend::InRegistered(const void* data, size_t bytes) const {
+  const auto at = reinterpret_cast<uintptr_t>(data);
+  absl::MutexLock lock(&registered_mu_);
+  auto it = registered_.upper_bound(at);  // the first range starting after `data`
+  if (it == registered_.begin()) return false;
+  --it;
+  return at - it->first <= it->second && bytes <= it->second - (at - it->first);
 }
 
 }  // namespace

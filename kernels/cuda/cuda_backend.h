@@ -1,8 +1,9 @@
 // The CUDA (sm_90a) expert backend behind ExpertBackend: MXFP4 and NVFP4 weights are repacked and
 // kept on the device per layer (PrepareLayer); each Run copies the batch (hidden states, local
 // ids, top-k weights, shared mask) to the device, runs the expert kernels (expert_kernels.h; as a
-// CUDA graph for shapes seen before) and copies the F32/BF16 output back. Results are bitwise
-// repeatable run to run, graph or not.
+// CUDA graph for shapes seen before) and copies the F32/BF16 output back. Host memory registered
+// with RegisterHostMemory (pinned) is read and written in place. Results are bitwise repeatable
+// run to run, graph or not.
 //
 // Called by CreateBackend("cuda") and tests. Thread-safety and ownership as ExpertBackend: one
 // thread at a time per instance; device copies of the layers are owned by the instance.
@@ -92,6 +93,15 @@ struct CudaBackendOptions {
   // Host threads of the copies into and out of the pinned buffer (tensors of 256 KB and more are
   // split between them); 0: min(8, hardware concurrency).
   int copy_threads = 0;
+  // RegisterHostMemory pins (cudaHostRegister) at most this many bytes in all; a registration
+  // past it is refused and that memory is staged as any other. 0: none.
+  int64_t max_registered_bytes = int64_t{16} << 30;
+  // Eager pinned batches whose hidden states (or output) of at least this many bytes lie in
+  // registered host memory move them straight between it and the device (the copy engine), not
+  // through the pinned buffer: the host copy into (out of) it is skipped. Smaller ones stay
+  // staged (a second transfer costs more than their copy), as do graphed batches (their graphs
+  // read the pinned buffer).
+  int64_t registered_direct_min_bytes = int64_t{256} << 10;
   // Tests only: every graph capture fails, as a failed instantiation would (the batch then runs
   // eagerly, and so does its shape from then on).
   bool test_fail_graph_capture = false;
@@ -115,6 +125,10 @@ struct CudaBackendCounters {
   // Times the kept graphs were dropped because what they point at moved: a larger device arena,
   // pinned buffer or runner scratch, or a new layer copy.
   int64_t graph_invalidations = 0;
+  // Runs whose hidden states or output moved straight from or to registered host memory
+  // (CudaBackendOptions::registered_direct_min_bytes), and the bytes registered now.
+  int64_t direct_runs = 0;
+  int64_t registered_bytes = 0;
   // Fused layer kernels enqueued (eager runs and captures; replays launch what they captured).
   int64_t fused_layer_launches = 0;
   // GEMM2 launches that waited per item (ExpertGemmParams::item_ready; eager runs and captures).

@@ -5,11 +5,13 @@
 // uploaded all match. Needs a GPU (tag "gpu"): skipped without one.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <tuple>
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -252,6 +254,108 @@ TEST(CudaBackendVersionsTest, LargeBatchesCopyPieceByPiece) {
     EXPECT_EQ(GetCudaBackendCounters(b).pinned_runs, pinned_bytes > 0 ? 2 : 0);
     EXPECT_EQ(GetCudaBackendCounters(b).kernel_copy_runs, kernel_copy_bytes > 0 ? 2 : 0);
   }
+}
+
+// Host memory registered with RegisterHostMemory (a shard does it for shared-memory regions):
+// eager batches whose hidden states or output lie inside it move them straight between it and the
+// device. Every form gives the bits of the same batch in ordinary memory (and those match the CPU
+// reference); a range that runs past the registered memory, graphed batches and batches after
+// UnregisterHostMemory are staged as usual; double and oversized registrations are refused.
+TEST(CudaBackendVersionsTest, RegisteredHostMemoryIsUsedInPlace) {
+  const std::unique_ptr<OwnedLayer> layer = Layer(123);
+  CudaBackendOptions options;
+  options.registered_direct_min_bytes = 4096;
+  absl::StatusOr<std::unique_ptr<ExpertBackend>> made = MakeCudaExpertBackend(options);
+  if (!made.ok()) GTEST_SKIP() << made.status();
+  ExpertBackend& b = **made;
+  ASSERT_TRUE(b.PrepareLayer(0, layer->layer).ok());
+  // The first kRegion bytes of a larger allocation are registered.
+  constexpr size_t kRegion = size_t{8} << 20;
+  void* raw = nullptr;
+  ASSERT_EQ(posix_memalign(&raw, 4096, kRegion + (size_t{1} << 20)), 0);
+  std::unique_ptr<void, decltype(&std::free)> region(raw, &std::free);
+  auto* base = static_cast<uint8_t*>(raw);
+  ASSERT_TRUE(b.RegisterHostMemory(base, kRegion).ok());
+  EXPECT_EQ(GetCudaBackendCounters(b).registered_bytes, static_cast<int64_t>(kRegion));
+  // The same range again: refused (the first registration stays).
+  EXPECT_FALSE(b.RegisterHostMemory(base, kRegion).ok());
+
+  // Runs `spec`'s batch with its hidden states at region offset `in_at` and its output at
+  // `out_at` (either -1: the request's own memory); expects the bits of the same batch run from
+  // ordinary memory. Returns whether the backend counted it as a direct Run.
+  const auto run_in_region = [&](const cpu::RandomRequestSpec& spec, int64_t in_at,
+                                 int64_t out_at) {
+    OwnedRequest plain = MakeRandomRequest(layer->layer, spec);
+    OwnedRequest placed = plain;
+    OwnedRequest want = plain;
+    plain.Poison();
+    placed.Poison();
+    want.Poison();
+    EXPECT_TRUE(b.Run(0, layer->layer, plain.Request()).ok());
+    EXPECT_TRUE(RunExpertsReference(layer->layer, want.Request()).ok());
+    EXPECT_LE(RelErr(plain, want, spec.tokens * layer->layer.hidden), 1e-2);
+    ExpertsRequest r = placed.Request();
+    if (in_at >= 0) {
+      std::memcpy(base + in_at, r.hidden_states.data, static_cast<size_t>(r.hidden_states.NumBytes()));
+      r.hidden_states.data = base + in_at;
+    }
+    if (out_at >= 0) {
+      std::memset(base + out_at, 0xFF, static_cast<size_t>(r.out.NumBytes()));  // NaN
+      r.out.data = base + out_at;
+    }
+    const int64_t direct_before = GetCudaBackendCounters(b).direct_runs;
+    const absl::Status s = b.Run(0, layer->layer, r);
+    EXPECT_TRUE(s.ok()) << s;
+    const size_t out_bytes = static_cast<size_t>(r.out.NumBytes());
+    const void* got = out_at >= 0 ? static_cast<const void*>(base + out_at) : r.out.data;
+    const void* expect = plain.Request().out.data;
+    EXPECT_EQ(std::memcmp(got, expect, out_bytes), 0)
+        << "T=" << spec.tokens << " in_at " << in_at << " out_at " << out_at;
+    return GetCudaBackendCounters(b).direct_runs > direct_before;
+  };
+  cpu::RandomRequestSpec spec;
+  spec.tokens = 40;  // F32 [40, 256]: 40 KB in and out
+  spec.top_k = 4;
+  const int64_t kOut = int64_t{4} << 20;
+  for (const auto& [dtype_in, dtype_out] :
+       {std::pair{DType::kF32, DType::kF32}, std::pair{DType::kBF16, DType::kBF16}}) {
+    spec.in_dtype = dtype_in;
+    spec.out_dtype = dtype_out;
+    ++spec.seed;
+    EXPECT_TRUE(run_in_region(spec, 0, kOut));
+    ++spec.seed;
+    EXPECT_TRUE(run_in_region(spec, 4096 + 64, -1));  // hidden only, not page-aligned
+    ++spec.seed;
+    EXPECT_TRUE(run_in_region(spec, -1, kOut + 16));  // output only
+  }
+  spec.in_dtype = DType::kF32;
+  spec.out_dtype = DType::kF32;
+  // An output ending exactly at the registered memory's end: in place. Hidden states that run
+  // past it and an output wholly past it: staged.
+  const int64_t end = static_cast<int64_t>(kRegion);
+  ++spec.seed;
+  EXPECT_TRUE(run_in_region(spec, -1, end - spec.tokens * layer->layer.hidden * 4));
+  ++spec.seed;
+  EXPECT_FALSE(run_in_region(spec, end - 100, end + 65536));
+  // Graphed batches (two tokens) read the pinned buffer: staged, and correct.
+  cpu::RandomRequestSpec small = spec;
+  small.tokens = 2;
+  for (int i = 0; i < 3; ++i) {
+    ++small.seed;
+    EXPECT_FALSE(run_in_region(small, 0, kOut));
+  }
+  b.UnregisterHostMemory(base);
+  EXPECT_EQ(GetCudaBackendCounters(b).registered_bytes, 0);
+  b.UnregisterHostMemory(base);  // unknown now: no-op
+  ++spec.seed;
+  EXPECT_FALSE(run_in_region(spec, 0, kOut));
+
+  options.max_registered_bytes = int64_t{1} << 20;
+  absl::StatusOr<std::unique_ptr<ExpertBackend>> capped = MakeCudaExpertBackend(options);
+  ASSERT_TRUE(capped.ok());
+  EXPECT_EQ((*capped)->RegisterHostMemory(base, kRegion).code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(GetCudaBackendCounters(**capped).registered_bytes, 0);
 }
 
 // Graphed small batches move their pinned buffer by copy kernels inside the graph; the output

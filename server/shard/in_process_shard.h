@@ -32,6 +32,8 @@ struct InProcessShardOptions {
   // Told about every Forward and executor batch (ShardObserver); borrowed, may be null, must
   // outlive the shard.
   ShardObserver* observer = nullptr;
+  // Shared-memory regions registered with the backend too (ShmForwardService's pin_regions).
+  bool pin_shared_memory = true;
 };
 
 class InProcessShard {
@@ -44,6 +46,8 @@ class InProcessShard {
   const ServedModel& model() const { return source_->model(); }
   ExpertShardService& service() { return *service_; }
   ShmForwardService& shm() { return *shm_; }
+  // The backend the shard runs its batches on (benchmarks read its counters).
+  const ExpertBackend& backend() const { return *backend_; }
 
  private:
   InProcessShard() = default;

@@ -76,6 +76,8 @@ class ExpertShardService final : public v1::ExpertShard::Service {
   bool draining() const { return draining_.load(); }
   // Requests waiting for the executor (metrics).
   size_t queued_requests() const { return executor_.queued_requests(); }
+  // The backend the batches run on (borrowed; for RegisterHostMemory of shared-memory regions).
+  ExpertBackend* backend() const { return backend_; }
 
   // Takes the load and executor stats counted since the last hand-off and passes them to `send`
   // (the heartbeat RPC), returning its status. The hand-off lock is held until `send` returns and

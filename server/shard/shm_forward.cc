@@ -3,9 +3,9 @@
 #include <cstring>
 #include <string>
 #include <utility>
-#include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "glog/logging.h"
 #include "server/common/status.h"
 
 namespace moe {
@@ -31,6 +31,23 @@ absl::Status CheckOutputSize(uint64_t range, size_t bytes) {
 }
 
 }  // namespace
+
+ShmForwardService::ShmForwardService(ExpertShardService* shard, bool pin_regions)
+    : shard_(shard),
+      registry_(ShmRegistry::Hooks{
+          [backend = pin_regions ? shard->backend() : nullptr](void* base, uint64_t bytes) {
+            if (backend == nullptr) return;
+            if (absl::Status s = backend->RegisterHostMemory(base, static_cast<size_t>(bytes));
+                !s.ok()) {
+              LOG(WARNING) << "shared memory region of " << bytes
+                           << " bytes not registered with the backend (its batches are staged "
+                              "as usual): "
+                           << s;
+            }
+          },
+          [backend = pin_regions ? shard->backend() : nullptr](void* base) {
+            if (backend != nullptr) backend->UnregisterHostMemory(base);
+          }}) {}
 
 grpc::Status ShmForwardService::RegisterSharedMemory(grpc::ServerContext*,
                                                      const v1::RegisterSharedMemoryRequest* req,

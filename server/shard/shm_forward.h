@@ -8,7 +8,9 @@
 // Register it beside the ExpertShardService (moe_shard does with --shared_memory; it maps
 // whatever object a caller names, so only enable it where the callers are trusted local
 // frontends). OpenChannel starts a request channel (shm_channel.h) over a registered region:
-// one-token requests then skip gRPC entirely. ForwardCuda serves GPU-resident tensors of a
+// one-token requests then skip gRPC entirely. Regions are registered with the shard's backend
+// too (a CUDA backend pins them: large batches then skip its staging copies). ForwardCuda serves
+// GPU-resident tensors of a
 // same-host frontend through CUDA IPC handles (cuda_ipc.h; staged through host memory: one
 // device-to-host copy in, one host-to-device copy out). Thread-safety: handlers run concurrently. Ownership: borrows `shard`; owns the
 // registry.
@@ -32,7 +34,10 @@ namespace moe {
 
 class ShmForwardService final : public v1::SharedMemoryShard::Service {
  public:
-  explicit ShmForwardService(ExpertShardService* shard) : shard_(shard) {}
+  // With `pin_regions`, registered regions are also registered with the shard's backend
+  // (ExpertBackend::RegisterHostMemory: a CUDA backend pins them and moves hidden states and
+  // outputs straight between them and the device).
+  explicit ShmForwardService(ExpertShardService* shard, bool pin_regions = true);
 
   ShmRegistry& registry() { return registry_; }
 

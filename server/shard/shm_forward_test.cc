@@ -276,6 +276,64 @@ TEST_F(ShmForwardTest, BadRegistrationsAreRejected) {
   EXPECT_TRUE(Unregister("d").ok());
 }
 
+// The registry's hooks (how a shard pins regions for a CUDA backend) see each mapping once after it
+// is made and once before it goes: not while a lease holds it, after a failed duplicate
+// registration, and for the regions left when the registry itself goes.
+TEST(ShmRegistryHooksTest, SeeEveryMappingOnce) {
+  const std::string key = absl::StrCat("/moe_shm_hooks_test_", getpid());
+  const int fd = shm_open(key.c_str(), O_CREAT | O_RDWR | O_TRUNC, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, kRegion), 0);
+  close(fd);
+  struct Event {
+    bool mapped;
+    void* base;
+    uint64_t bytes;
+  };
+  std::vector<Event> events;
+  {
+    ShmRegistry registry(ShmRegistry::Hooks{
+        [&events](void* base, uint64_t bytes) {
+          static_cast<volatile uint8_t*>(base)[bytes - 1] = 7;  // mapped and writable already
+          events.push_back({true, base, bytes});
+        },
+        [&events](void* base) {
+          EXPECT_EQ(static_cast<volatile uint8_t*>(base)[0], 0);  // still mapped
+          events.push_back({false, base, 0});
+        }});
+    ASSERT_TRUE(registry.Register("a", key, kRegion).ok());
+    ASSERT_EQ(events.size(), 1u);
+    EXPECT_TRUE(events[0].mapped);
+    EXPECT_EQ(events[0].bytes, kRegion);
+    {
+      absl::StatusOr<ShmRegistry::Lease> lease = registry.Acquire("a");
+      ASSERT_TRUE(lease.ok());
+      EXPECT_EQ(registry.Unregister("a").code(), absl::StatusCode::kFailedPrecondition);
+      EXPECT_EQ(events.size(), 1u);
+    }
+    ASSERT_TRUE(registry.Unregister("a").ok());
+    ASSERT_EQ(events.size(), 2u);
+    EXPECT_FALSE(events[1].mapped);
+    EXPECT_EQ(events[1].base, events[0].base);
+
+    ASSERT_TRUE(registry.Register("b", key, 4096).ok());
+    EXPECT_EQ(registry.Register("b", key, 4096).code(), absl::StatusCode::kAlreadyExists);
+    // The duplicate's own mapping came and went; the first one of "b" stays.
+    ASSERT_EQ(events.size(), 5u);
+    EXPECT_TRUE(events[2].mapped);
+    EXPECT_TRUE(events[3].mapped);
+    EXPECT_FALSE(events[4].mapped);
+    EXPECT_EQ(events[4].base, events[3].base);
+    EXPECT_NE(events[3].base, events[2].base);
+    EXPECT_TRUE(registry.Acquire("b").ok());
+  }
+  // The registry went with "b" registered.
+  ASSERT_EQ(events.size(), 6u);
+  EXPECT_FALSE(events[5].mapped);
+  EXPECT_EQ(events[5].base, events[2].base);
+  shm_unlink(key.c_str());
+}
+
 // ---- Request channels ----------------------------------------------------------------------------
 
 // The client library's channel gives the bytes Forward gives, over many requests.

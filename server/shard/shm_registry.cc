@@ -13,12 +13,17 @@
 namespace moe {
 
 struct ShmRegistry::Region {
-  Region(std::string id, uint8_t* base, uint64_t size) : id(std::move(id)), base(base), size(size) {}
-  ~Region() { munmap(base, size); }
+  Region(std::string id, uint8_t* base, uint64_t size, std::function<void(void*)> unmapping)
+      : id(std::move(id)), base(base), size(size), unmapping(std::move(unmapping)) {}
+  ~Region() {
+    if (unmapping) unmapping(base);
+    munmap(base, size);
+  }
 
   const std::string id;
   uint8_t* const base;
   const uint64_t size;
+  const std::function<void(void*)> unmapping;
   std::atomic<int64_t> leases{0};  // incremented under the registry mutex (see Unregister)
 };
 
@@ -68,7 +73,9 @@ absl::Status ShmRegistry::Register(const std::string& region_id, const std::stri
   if (base == MAP_FAILED) {
     return absl::InternalError(absl::StrCat("mmap of '", shm_key, "': ", std::strerror(errno)));
   }
-  auto region = std::make_shared<Region>(region_id, static_cast<uint8_t*>(base), byte_size);
+  if (hooks_.mapped) hooks_.mapped(base, byte_size);
+  auto region =
+      std::make_shared<Region>(region_id, static_cast<uint8_t*>(base), byte_size, hooks_.unmapping);
   absl::MutexLock lock(&mu_);
   if (regions_.count(region_id) > 0) {
     return absl::AlreadyExistsError(

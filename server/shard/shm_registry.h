@@ -4,14 +4,18 @@
 // FAILED_PRECONDITION while any request is using the region. Lease::Range is the one place byte
 // ranges from the network are checked against the region (overflow-safe).
 //
+// Optional hooks see every mapping right after it is made and right before it is undone (the
+// shard pins regions for a CUDA backend with them, ExpertBackend::RegisterHostMemory).
+//
 // Callers: ShmForwardService. Thread-safety: every method may be called concurrently; a Lease is
-// used by one thread. Ownership: the registry owns the mappings (a region is unmapped when
-// unregistered and no lease holds it).
+// used by one thread; the hooks run on the thread that maps or drops the last reference. Ownership:
+// the registry owns the mappings (a region is unmapped when unregistered and no lease holds it).
 #ifndef MOE_SERVER_SHARD_SHM_REGISTRY_H_
 #define MOE_SERVER_SHARD_SHM_REGISTRY_H_
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -51,7 +55,16 @@ class ShmRegistry {
     std::shared_ptr<Region> region_;
   };
 
+  // Told about each region's mapping: `mapped` after the mmap (before the region can be used),
+  // `unmapping` before the munmap, once the region is unregistered and no lease holds it (or when
+  // the registry goes, or a registration fails after mapping). Either may be empty.
+  struct Hooks {
+    std::function<void(void* base, uint64_t bytes)> mapped;
+    std::function<void(void* base)> unmapping;
+  };
+
   ShmRegistry() = default;
+  explicit ShmRegistry(Hooks hooks) : hooks_(std::move(hooks)) {}
   ShmRegistry(const ShmRegistry&) = delete;
   ShmRegistry& operator=(const ShmRegistry&) = delete;
 
@@ -67,6 +80,7 @@ class ShmRegistry {
   absl::StatusOr<Lease> Acquire(const std::string& region_id) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  const Hooks hooks_;
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Region>> regions_ ABSL_GUARDED_BY(mu_);
 };
