@@ -39,6 +39,10 @@ class ExpertBackend {
   [[nodiscard]] virtual absl::Status Run(int layer_index, const ExpertLayer& layer,
                                          const ExpertsRequest& request) = 0;
 
+  // The CUDA device whose memory Run takes as hidden states and output (ExpertsRequest::
+  // hidden_on_device, out_on_device), or -1: host memory only (the default).
+  virtual int DeviceForTensors() const { return -1; }
+
   // Long-lived host memory whose bytes later requests will hold as tensors (a same-host
   // frontend's shared-memory region): a backend may pin it once, so that the hidden states and
   // output of batches inside it move without a staging copy. An optimization only: an error means

@@ -3,6 +3,9 @@
 
 #include <memory>
 #include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
 
 #include "gtest/gtest.h"
 #include "kernels/cuda/device.h"
@@ -17,6 +20,29 @@ TEST(CreateBackendTest, CpuBackendsIgnoreTheDevice) {
   absl::StatusOr<std::unique_ptr<ExpertBackend>> ref = CreateBackend("cpu-reference", 1);
   ASSERT_TRUE(ref.ok()) << ref.status();
   EXPECT_EQ((*ref)->name(), "cpu-reference");
+}
+
+// The CPU backends read and write host memory only: they take no device tensors (a shard then
+// stages ForwardCuda through host memory) and RegisterHostMemory is a no-op.
+TEST(CreateBackendTest, CpuBackendsTakeHostTensorsOnly) {
+  for (const char* name : {"cpu", "cpu-reference"}) {
+    absl::StatusOr<std::unique_ptr<ExpertBackend>> b = CreateBackend(name);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ((*b)->DeviceForTensors(), -1) << name;
+    int bytes[4] = {};
+    EXPECT_TRUE((*b)->RegisterHostMemory(bytes, sizeof(bytes)).ok()) << name;
+    (*b)->UnregisterHostMemory(bytes);
+    for (const auto& [hidden, out] : {std::pair{true, false}, std::pair{false, true}}) {
+      ExpertsRequest request;
+      request.hidden_on_device = hidden;
+      request.out_on_device = out;
+      const absl::Status s = (*b)->Run(0, ExpertLayer{}, request);
+      EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << name;
+      EXPECT_EQ(s.message(), absl::StrCat(name == std::string("cpu") ? "cpu backend" : name,
+                                          ": hidden states and output must be host memory "
+                                          "(device tensors need a CUDA backend)"));
+    }
+  }
 }
 
 TEST(CreateBackendTest, RefusesBadNamesAndNegativeDevices) {

@@ -232,7 +232,15 @@ absl::Status ValidateExpertsRequest(const ExpertLayer& layer, const ExpertsReque
   return absl::OkStatus();
 }
 
+absl::Status RequireHostTensors(const ExpertsRequest& request, absl::string_view backend) {
+  if (!request.hidden_on_device && !request.out_on_device) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      backend, ": hidden states and output must be host memory (device tensors need a CUDA "
+               "backend)"));
+}
+
 absl::Status RunExpertsReference(const ExpertLayer& layer, const ExpertsRequest& request) {
+  if (absl::Status s = RequireHostTensors(request, "cpu-reference"); !s.ok()) return s;
   if (absl::Status s = ValidateExpertsRequest(layer, request); !s.ok()) return s;
   const int64_t tokens = request.hidden_states.dim(0);
   const int64_t h_dim = layer.hidden;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "kernels/activation.h"
 #include "kernels/formats.h"
 #include "kernels/tensor.h"
@@ -48,7 +49,16 @@ struct ExpertsRequest {
   TensorView topk_weights;   // F32 [T, K]
   TensorView shared_mask;    // optional BOOL [T]: this shard adds the shared-expert output
   TensorView out;            // F32 or BF16 [T, H], fully overwritten
+  // hidden_states / out are memory of the CUDA device the backend runs on (ExpertBackend::
+  // DeviceForTensors), not host memory: only such a backend accepts them; the rest is host memory.
+  bool hidden_on_device = false;
+  bool out_on_device = false;
 };
+
+// FAILED_PRECONDITION naming `backend` when `request` holds device tensors (hidden_on_device,
+// out_on_device): for backends that read and write host memory only.
+[[nodiscard]] absl::Status RequireHostTensors(const ExpertsRequest& request,
+                                              absl::string_view backend);
 
 // INVALID_ARGUMENT unless every expert's matrices match [2I, H] / [H, I] in `format`, biases
 // (when present) are F32 of the right length, global scales are finite (and 1 unless NVFP4) and

@@ -60,6 +60,7 @@ class CpuBackend final : public ExpertBackend {
 
   absl::Status Run(int layer_index, const ExpertLayer& layer,
                    const ExpertsRequest& request) override {
+    if (absl::Status s = RequireHostTensors(request, "cpu backend"); !s.ok()) return s;
     if (absl::Status s = ValidateExpertsRequest(layer, request); !s.ok()) return s;
     std::shared_ptr<const PreparedLayer> prepared = Find(layer_index, layer);
     if (prepared == nullptr) {

@@ -193,6 +193,7 @@ class CudaExpertBackend final : public ExpertBackend {
   absl::Status Run(int layer_index, const ExpertLayer& layer,
                    const ExpertsRequest& request) override;
 
+  int DeviceForTensors() const override { return options_.device; }
   absl::Status RegisterHostMemory(void* data, size_t bytes) override;
   void UnregisterHostMemory(void* data) override;
 
@@ -373,7 +374,7 @@ absl::Status CudaExpertBackend::CopyIn(const ExpertsRequest& request, bool with_
       if (&in.view == &request.shared_mask && !with_mask) continue;
       if (absl::Status s = CudaStatus(
               cudaMemcpyAsync(device + in.offset, in.view.data,
-                              static_cast<size_t>(in.view.NumBytes()), cudaMemcpyHostToDevice,
+                              static_cast<size_t>(in.view.NumBytes()), cudaMemcpyDefault,
                               stream_),
               "input copy");
           !s.ok()) {
@@ -382,15 +383,16 @@ absl::Status CudaExpertBackend::CopyIn(const ExpertsRequest& request, bool with_
     }
     return absl::OkStatus();
   }
-  // Registered hidden states: one copy-engine transfer straight from the caller's pinned
-  // memory, running while the host fills the pinned buffer with the rest (which starts at the
-  // 256-aligned at.ids, past the hidden states: the host never copies them).
+  // Registered or device hidden states: one copy-engine transfer straight from the caller's
+  // pinned host or device memory (UVA tells which), running while the host fills the pinned
+  // buffer with the rest (which starts at the 256-aligned at.ids, past the hidden states: the
+  // host never touches them).
   size_t first = 0;
   if (hidden_direct) {
     if (absl::Status s = CudaStatus(
             cudaMemcpyAsync(device + at.hidden, request.hidden_states.data,
                             static_cast<size_t>(request.hidden_states.NumBytes()),
-                            cudaMemcpyHostToDevice, stream_),
+                            cudaMemcpyDefault, stream_),
             "input copy");
         !s.ok()) {
       return s;
@@ -428,7 +430,7 @@ absl::Status CudaExpertBackend::CopyOut(const ExpertsRequest& request, const Are
   RunClock::time_point t = RunClock::now();
   if (!pinned) {
     if (absl::Status s = CudaStatus(
-            cudaMemcpyAsync(out, device, bytes, cudaMemcpyDeviceToHost, stream_), "output copy");
+            cudaMemcpyAsync(out, device, bytes, cudaMemcpyDefault, stream_), "output copy");
         !s.ok()) {
       return s;
     }
@@ -662,24 +664,29 @@ absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
       cudaGetLastError();  // clears a non-sticky error
     }
   }
+  // Device tensors (ExpertsRequest::hidden_on_device, out_on_device) move by device copies; the
+  // graphed form's copy kernels would read and write them through the pinned buffer.
+  const bool on_device = request.hidden_on_device || request.out_on_device;
   Moves moves = Moves::kCopyEngine;
   if (pinned && pinned_device_ != nullptr &&
       static_cast<int64_t>(at.total) <= options_.kernel_copy_max_bytes) {
-    moves = Graphed(plan) && at.in_bytes <= kCopyPieceBytes &&
+    moves = Graphed(plan) && !on_device && at.in_bytes <= kCopyPieceBytes &&
                     static_cast<size_t>(request.out.NumBytes()) <= kCopyPieceBytes
                 ? Moves::kKernelsWithBatch
                 : Moves::kKernels;
   }
   // Hidden states and output in registered memory: straight to and from the device (eager
-  // pinned batches; larger ones copy every tensor from the caller's memory anyway).
-  const auto direct = [&](const TensorView& v) {
+  // pinned batches; larger ones copy every tensor from the caller's memory anyway). Device
+  // tensors always.
+  const auto direct = [&](const TensorView& v, bool on_device) {
+    if (on_device) return pinned;
     const int64_t bytes = v.NumBytes();
     return pinned && moves != Moves::kKernelsWithBatch && options_.max_registered_bytes > 0 &&
            bytes >= options_.registered_direct_min_bytes &&
            InRegistered(v.data, static_cast<size_t>(bytes));
   };
-  const bool hidden_direct = direct(request.hidden_states);
-  const bool out_direct = direct(request.out);
+  const bool hidden_direct = direct(request.hidden_states, request.hidden_on_device);
+  const bool out_direct = direct(request.out, request.out_on_device);
   t = AddElapsed(t, &counters_.prepare_ns);
   if (absl::Status s = CopyIn(request, with_mask, at, pinned, moves, hidden_direct); !s.ok()) {
     return s;
@@ -713,6 +720,7 @@ absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
   if (pinned) ++counters_.pinned_runs;
   if (moves != Moves::kCopyEngine) ++counters_.kernel_copy_runs;
   if (hidden_direct || out_direct) ++counters_.direct_runs;
+  if (on_device) ++counters_.device_tensor_runs;
   return absl::OkStatus();
 }
 

@@ -2,8 +2,9 @@
 // kept on the device per layer (PrepareLayer); each Run copies the batch (hidden states, local
 // ids, top-k weights, shared mask) to the device, runs the expert kernels (expert_kernels.h; as a
 // CUDA graph for shapes seen before) and copies the F32/BF16 output back. Host memory registered
-// with RegisterHostMemory (pinned) is read and written in place. Results are bitwise repeatable
-// run to run, graph or not.
+// with RegisterHostMemory (pinned) is read and written in place, and hidden states and output in
+// device memory (DeviceForTensors: the backend's device) by device copies. Results are bitwise
+// repeatable run to run, graph or not.
 //
 // Called by CreateBackend("cuda") and tests. Thread-safety and ownership as ExpertBackend: one
 // thread at a time per instance; device copies of the layers are owned by the instance.
@@ -129,6 +130,9 @@ struct CudaBackendCounters {
   // (CudaBackendOptions::registered_direct_min_bytes), and the bytes registered now.
   int64_t direct_runs = 0;
   int64_t registered_bytes = 0;
+  // Runs whose hidden states or output were device memory (ExpertsRequest::hidden_on_device,
+  // out_on_device; counted in direct_runs too).
+  int64_t device_tensor_runs = 0;
   // Fused layer kernels enqueued (eager runs and captures; replays launch what they captured).
   int64_t fused_layer_launches = 0;
   // GEMM2 launches that waited per item (ExpertGemmParams::item_ready; eager runs and captures).

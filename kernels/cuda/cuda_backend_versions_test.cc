@@ -358,6 +358,72 @@ TEST(CudaBackendVersionsTest, RegisteredHostMemoryIsUsedInPlace) {
   EXPECT_EQ(GetCudaBackendCounters(**capped).registered_bytes, 0);
 }
 
+// Hidden states and output in device memory (what a shard passes for a same-host frontend's
+// ForwardCuda): moved by device copies, eager or graphed, each form bit-equal to the same batch
+// from host memory (and that within 1e-2 of the CPU reference); one device tensor with the other
+// on the host works too.
+TEST(CudaBackendVersionsTest, DeviceTensorsStayOnTheDevice) {
+  const std::unique_ptr<OwnedLayer> layer = Layer(131);
+  absl::StatusOr<std::unique_ptr<ExpertBackend>> made = MakeCudaExpertBackend({});
+  if (!made.ok()) GTEST_SKIP() << made.status();
+  ExpertBackend& b = **made;
+  ASSERT_EQ(b.DeviceForTensors(), 0);
+  ASSERT_TRUE(b.PrepareLayer(0, layer->layer).ok());
+  constexpr size_t kBytes = size_t{4} << 20;
+  void* d_in = cuda::DeviceAlloc(kBytes);
+  void* d_out = cuda::DeviceAlloc(kBytes);
+  ASSERT_NE(d_in, nullptr);
+  ASSERT_NE(d_out, nullptr);
+  const std::vector<uint8_t> poison(kBytes, 0xFF);
+  int device_runs = 0;
+  for (const int64_t tokens : {1, 2, 2, 2, 40, 300}) {  // 2 x 3: eager, captured, replayed
+    for (const auto& [hidden_dev, out_dev] :
+         {std::pair{true, true}, std::pair{true, false}, std::pair{false, true}}) {
+      cpu::RandomRequestSpec spec;
+      spec.tokens = tokens;
+      spec.top_k = 4;
+      spec.in_dtype = tokens % 2 == 0 ? DType::kBF16 : DType::kF32;
+      spec.out_dtype = tokens == 40 ? DType::kF32 : DType::kBF16;
+      spec.seed = 700 + static_cast<uint64_t>(tokens) + (hidden_dev ? 10 : 0) + (out_dev ? 20 : 0);
+      OwnedRequest host = MakeRandomRequest(layer->layer, spec);
+      OwnedRequest want = host;
+      OwnedRequest placed = host;
+      host.Poison();
+      want.Poison();
+      placed.Poison();
+      ASSERT_TRUE(b.Run(0, layer->layer, host.Request()).ok());
+      ASSERT_TRUE(RunExpertsReference(layer->layer, want.Request()).ok());
+      EXPECT_LE(RelErr(host, want, tokens * layer->layer.hidden), 1e-2);
+      ExpertsRequest r = placed.Request();
+      const size_t in_bytes = static_cast<size_t>(r.hidden_states.NumBytes());
+      const size_t out_bytes = static_cast<size_t>(r.out.NumBytes());
+      if (hidden_dev) {
+        ASSERT_TRUE(cuda::CopyAnyBytes(d_in, r.hidden_states.data, in_bytes));
+        r.hidden_states.data = d_in;
+        r.hidden_on_device = true;
+      }
+      if (out_dev) {
+        ASSERT_TRUE(cuda::CopyAnyBytes(d_out, poison.data(), out_bytes));
+        r.out.data = d_out;
+        r.out_on_device = true;
+      }
+      const absl::Status s = b.Run(0, layer->layer, r);
+      ASSERT_TRUE(s.ok()) << s;
+      ++device_runs;
+      std::vector<uint8_t> got(out_bytes);
+      ASSERT_TRUE(cuda::CopyAnyBytes(got.data(), r.out.data, out_bytes));
+      EXPECT_EQ(std::memcmp(got.data(), host.Request().out.data, out_bytes), 0)
+          << "T=" << tokens << " hidden on device " << hidden_dev << " output on device "
+          << out_dev;
+    }
+  }
+  const CudaBackendCounters n = GetCudaBackendCounters(b);
+  EXPECT_EQ(n.device_tensor_runs, device_runs);
+  EXPECT_GE(n.graph_replays, 1);
+  cuda::DeviceFree(d_in);
+  cuda::DeviceFree(d_out);
+}
+
 // Graphed small batches move their pinned buffer by copy kernels inside the graph; the output
 // either written by the expert kernels straight into the mapped pinned buffer (the default) or
 // moved there by a copy kernel after them. Both match the reference over eager, captured and

@@ -36,4 +36,21 @@ std::string DeviceDescription(int ordinal) {
   return buf;
 }
 
+void* DeviceAlloc(size_t bytes) {
+  void* p = nullptr;
+  if (cudaMalloc(&p, bytes) != cudaSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return p;
+}
+
+void DeviceFree(void* data) { cudaFree(data); }
+
+bool CopyAnyBytes(void* dst, const void* src, size_t bytes) {
+  if (cudaMemcpy(dst, src, bytes, cudaMemcpyDefault) == cudaSuccess) return true;
+  cudaGetLastError();
+  return false;
+}
+
 }  // namespace moe::cuda

@@ -3,6 +3,7 @@
 #ifndef MOE_KERNELS_CUDA_DEVICE_H_
 #define MOE_KERNELS_CUDA_DEVICE_H_
 
+#include <cstddef>
 #include <string>
 
 namespace moe::cuda {
@@ -16,6 +17,13 @@ int DeviceCount(std::string* why);
 
 // "NVIDIA H200 (sm_90, 132 SMs, 139 GiB)" for device `ordinal`, or the error text.
 std::string DeviceDescription(int ordinal);
+
+// For tests that hand device memory to host-side APIs: `bytes` of memory of the current device
+// (null on failure or without CUDA), its release, and a synchronous copy of `bytes` between any
+// host or device addresses (false on failure).
+void* DeviceAlloc(size_t bytes);
+void DeviceFree(void* data);
+bool CopyAnyBytes(void* dst, const void* src, size_t bytes);
 
 }  // namespace moe::cuda
 

@@ -14,4 +14,8 @@ int DeviceCount(std::string* why) {
 
 std::string DeviceDescription(int) { return "built without CUDA"; }
 
+void* DeviceAlloc(size_t) { return nullptr; }
+void DeviceFree(void*) {}
+bool CopyAnyBytes(void*, const void*, size_t) { return false; }
+
 }  // namespace moe::cuda

@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstring>
+#include <iterator>
 #include <list>
 #include <string>
 #include <utility>
@@ -22,6 +23,7 @@ struct Opened {
   std::string handle;
   char* base = nullptr;
   size_t size = 0;
+  int borrowed = 0;  // Borrowed ranges in use: not closed meanwhile
 };
 
 absl::Status CudaError(cudaError_t e, absl::string_view what) {
@@ -51,7 +53,7 @@ struct CudaIpcMemory::State {
                        e != cudaSuccess ? cudaGetErrorString(e) : "0 devices", ")"));
       return init_status;
     }
-    if (cudaError_t e = cudaSetDevice(0); e != cudaSuccess) {
+    if (cudaError_t e = cudaSetDevice(kDevice); e != cudaSuccess) {
       init_status = CudaError(e, "cudaSetDevice(0)");
       return init_status;
     }
@@ -88,7 +90,7 @@ struct CudaIpcMemory::State {
         return &open.front();
       }
     }
-    cudaSetDevice(0);
+    cudaSetDevice(kDevice);
     cudaIpcMemHandle_t h;
     std::memcpy(&h, handle.data(), sizeof(h));
     void* ptr = nullptr;
@@ -108,8 +110,13 @@ struct CudaIpcMemory::State {
     // The handle maps the allocation's base; size is what lies from there.
     size -= static_cast<size_t>(reinterpret_cast<unsigned long long>(ptr) - base);
     if (open.size() >= kMaxOpen) {
-      cudaIpcCloseMemHandle(open.back().base);
-      open.pop_back();
+      // The least recently used one that no request is using (past kMaxOpen only while all are).
+      for (auto it = open.rbegin(); it != open.rend(); ++it) {
+        if (it->borrowed > 0) continue;
+        cudaIpcCloseMemHandle(it->base);
+        open.erase(std::next(it).base());
+        break;
+      }
     }
     open.push_front(Opened{std::string(handle), static_cast<char*>(ptr), size});
     return &open.front();
@@ -146,6 +153,38 @@ absl::Status CudaIpcMemory::Check(absl::string_view handle, uint64_t offset, uin
   return CheckRange(**o, offset, length, field);
 }
 
+CudaIpcMemory::Borrowed::Borrowed(Borrowed&& other) noexcept
+    : owner_(other.owner_), entry_(other.entry_), data_(other.data_) {
+  other.entry_ = nullptr;
+}
+
+CudaIpcMemory::Borrowed::~Borrowed() {
+  if (entry_ == nullptr) return;
+  absl::MutexLock lock(&owner_->state_->mu);
+  --static_cast<Opened*>(entry_)->borrowed;
+}
+
+absl::StatusOr<CudaIpcMemory::Borrowed> CudaIpcMemory::Borrow(absl::string_view handle,
+                                                               uint64_t offset, uint64_t length,
+                                                               absl::string_view field) {
+  absl::MutexLock lock(&state_->mu);
+  absl::StatusOr<Opened*> o = state_->Open(handle, field);
+  if (!o.ok()) return o.status();
+  if (absl::Status s = CheckRange(**o, offset, length, field); !s.ok()) return s;
+  ++(*o)->borrowed;  // std::list elements stay where they are while others come and go
+  return Borrowed(this, *o, (*o)->base + offset);
+}
+
+absl::Status CudaIpcMemory::ZeroDevice(void* data, size_t bytes) {
+  absl::MutexLock lock(&state_->mu);
+  if (absl::Status s = state_->Init(); !s.ok()) return s;
+  cudaSetDevice(kDevice);
+  cudaError_t e = cudaMemsetAsync(data, 0, bytes, state_->stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(state_->stream);
+  if (e != cudaSuccess) return CudaError(e, "zeroing the output");
+  return absl::OkStatus();
+}
+
 absl::Status CudaIpcMemory::CopyToHost(absl::string_view handle, uint64_t offset, uint64_t length,
                                        void* dst, absl::string_view field) {
   return Transfer(handle, offset, length, dst, /*to_device=*/false, field);
@@ -166,7 +205,7 @@ absl::Status CudaIpcMemory::Transfer(absl::string_view handle, uint64_t offset, 
   if (!o.ok()) return o.status();
   if (absl::Status s = CheckRange(**o, offset, length, field); !s.ok()) return s;
   if (length == 0) return absl::OkStatus();
-  cudaSetDevice(0);
+  cudaSetDevice(kDevice);
   char* device = (*o)->base + offset;
   cudaError_t e = to_device ? cudaMemcpyAsync(device, host, length, cudaMemcpyHostToDevice,
                                               state_->stream)

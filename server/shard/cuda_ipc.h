@@ -13,6 +13,7 @@
 #include <memory>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
 namespace moe {
@@ -38,6 +39,32 @@ class CudaIpcMemory {
   // Copies `length` host bytes at `src` to [offset, offset + length) of the allocation.
   absl::Status CopyFromHost(const void* src, absl::string_view handle, uint64_t offset,
                             uint64_t length, absl::string_view field);
+
+  // [offset, offset + length) of an opened allocation, used in place by device code: the handle
+  // stays open (not closed for kMaxOpen) until the Borrowed is destroyed. Borrowing no more than
+  // a request's two ranges at a time keeps the open handles near kMaxOpen.
+  class Borrowed {
+   public:
+    Borrowed(Borrowed&& other) noexcept;
+    Borrowed& operator=(Borrowed&&) = delete;
+    ~Borrowed();
+    char* data() const { return data_; }
+
+   private:
+    friend class CudaIpcMemory;
+    Borrowed(CudaIpcMemory* owner, void* entry, char* data)
+        : owner_(owner), entry_(entry), data_(data) {}
+    CudaIpcMemory* owner_;
+    void* entry_;  // the open allocation (State's), null once moved from
+    char* data_;
+  };
+  // INVALID_ARGUMENT naming `field` for a bad handle or range (as CopyToHost).
+  absl::StatusOr<Borrowed> Borrow(absl::string_view handle, uint64_t offset, uint64_t length,
+                                  absl::string_view field);
+  // Zeroes `bytes` of device memory at `data` (a Borrowed range) and waits for it.
+  absl::Status ZeroDevice(void* data, size_t bytes);
+  // The CUDA device the handles are opened on (0), as ExpertBackend::DeviceForTensors counts.
+  static constexpr int kDevice = 0;
 
   struct State;
 

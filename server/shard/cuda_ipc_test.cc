@@ -1,8 +1,9 @@
 // ForwardCuda across two processes on one GPU machine: this test starts an in-process shard (CPU
-// backend) and re-executes itself as a client process that puts BF16 hidden states in its own
-// device memory, shares them and an output buffer through CUDA IPC handles, calls ForwardCuda,
-// and compares the output (copied back from its device buffer) byte for byte with a protobuf
-// Forward of the same request. The client also sends a handle of the wrong size, a garbage
+// backend: ForwardCuda staged through host memory; then CUDA backend: the hidden states and
+// output stay on the GPU) and re-executes itself as a client process that puts BF16 hidden
+// states in its own device memory, shares them and an output buffer through CUDA IPC handles,
+// calls ForwardCuda, and compares the output (copied back from its device buffer) byte for byte
+// with a protobuf Forward of the same request. The client also sends a handle of the wrong size, a garbage
 // handle and ranges beyond its allocations (each INVALID_ARGUMENT), a wrong output length, and
 // checks the shard still answers afterwards. Needs a GPU (tag "gpu"): skipped without one.
 #include <spawn.h>
@@ -21,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/device.h"
 #include "moe/v1/shard.grpc.pb.h"
 #include "moe/v1/shm.grpc.pb.h"
@@ -197,19 +199,28 @@ TEST(CudaIpcTest, SecondProcessForwardsDeviceTensors) {
   model::GenerateOptions gen;
   gen.hidden = kHidden;
   ASSERT_TRUE(model::GenerateModel(gen, dir).ok());
-  InProcessShardOptions options;
-  options.model_dir = dir;
-  options.backend = "cpu";
-  absl::StatusOr<std::unique_ptr<InProcessShard>> shard = InProcessShard::Start(options);
-  ASSERT_TRUE(shard.ok()) << shard.status();
-  const std::string arg = absl::StrCat("--ipc_client=", (*shard)->address());
-  char* argv[] = {const_cast<char*>("/proc/self/exe"), const_cast<char*>(arg.c_str()), nullptr};
-  pid_t pid = 0;
-  ASSERT_EQ(posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv, environ), 0);
-  int status = 0;
-  ASSERT_EQ(waitpid(pid, &status, 0), pid);
-  ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_EQ(WEXITSTATUS(status), 0) << "the client process failed (its stderr says why)";
+  for (const char* backend : {"cpu", "cuda"}) {
+    InProcessShardOptions options;
+    options.model_dir = dir;
+    options.backend = backend;
+    absl::StatusOr<std::unique_ptr<InProcessShard>> shard = InProcessShard::Start(options);
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    const std::string arg = absl::StrCat("--ipc_client=", (*shard)->address());
+    char* argv[] = {const_cast<char*>("/proc/self/exe"), const_cast<char*>(arg.c_str()), nullptr};
+    pid_t pid = 0;
+    ASSERT_EQ(posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv, environ), 0);
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    ASSERT_TRUE(WIFEXITED(status));
+    EXPECT_EQ(WEXITSTATUS(status), 0)
+        << backend << " backend: the client process failed (its stderr says why)";
+    // The CUDA backend ran every good ForwardCuda (20, and one after each of 7 misuses) on the
+    // client's device memory; the CPU backend has no such counter (all zero).
+    const int64_t device_runs = GetCudaBackendCounters((*shard)->backend()).device_tensor_runs;
+    EXPECT_EQ(device_runs, std::string(backend) == "cuda" ? 27 : 0) << backend;
+    std::fprintf(stderr, "%s backend: %lld ForwardCuda runs on device tensors\n", backend,
+                 static_cast<long long>(device_runs));
+  }
 }
 
 }  // namespace

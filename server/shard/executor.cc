@@ -1,15 +1,19 @@
 #include "server/shard/executor.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
 namespace moe {
 namespace {
 
 bool SameBatch(const WorkItem& a, const WorkItem& b) {
+  // Device tensors cannot be concatenated on the host.
+  if (a.hidden_on_device || a.out_on_device || b.hidden_on_device || b.out_on_device) return false;
   return a.layer == b.layer && a.layer_index == b.layer_index &&
          a.local_ids.dim(1) == b.local_ids.dim(1) && a.hidden.dtype == b.hidden.dtype &&
          a.out.dtype == b.out.dtype &&
@@ -17,8 +21,8 @@ bool SameBatch(const WorkItem& a, const WorkItem& b) {
 }
 
 // Concatenates the rows of `part` views into `dst` (same dtype and trailing dims).
-void CopyRows(const std::vector<const TensorView*>& parts, HostTensor& dst) {
-  auto* out = dst.data<std::byte>();
+void CopyRows(const std::vector<const TensorView*>& parts, const TensorView& dst) {
+  auto* out = static_cast<std::byte*>(dst.data);
   for (const TensorView* v : parts) {
     std::memcpy(out, v->data, v->NumBytes());
     out += v->NumBytes();
@@ -49,6 +53,30 @@ Executor::~Executor() {
     stopping_ = true;
   }
   worker_.join();
+  Release(merge_hidden_);
+  Release(merge_out_);
+}
+
+void* Executor::Reserve(MergeBuffer& buffer, size_t bytes) {
+  if (buffer.bytes >= bytes) return buffer.data;
+  Release(buffer);
+  // Whole pages, at least 1 MiB, doubling: regrown (and re-registered) rarely.
+  constexpr size_t kPage = 4096;
+  size_t size = std::max<size_t>({size_t{1} << 20, 2 * buffer.bytes, bytes});
+  size = (size + kPage - 1) / kPage * kPage;
+  void* data = nullptr;
+  if (posix_memalign(&data, kPage, size) != 0) return nullptr;
+  buffer = {data, size};
+  // An optimization only: unregistered memory is staged as any other.
+  (void)backend_->RegisterHostMemory(data, size);
+  return data;
+}
+
+void Executor::Release(MergeBuffer& buffer) {
+  if (buffer.data == nullptr) return;
+  backend_->UnregisterHostMemory(buffer.data);
+  std::free(buffer.data);
+  buffer = {};
 }
 
 absl::Status Executor::Run(const WorkItem& item) {
@@ -165,7 +193,8 @@ absl::Status Executor::RunBatch(const std::vector<Pending*>& batch) {
   if (batch.size() == 1) {
     return backend_->Run(first.layer_index, *first.layer,
                          ExpertsRequest{first.hidden, first.local_ids, first.topk_weights,
-                                        first.shared_mask, first.out});
+                                        first.shared_mask, first.out, first.hidden_on_device,
+                                        first.out_on_device});
   }
   int64_t tokens = 0;
   std::vector<const TensorView*> hidden, ids, weights, mask;
@@ -177,25 +206,34 @@ absl::Status Executor::RunBatch(const std::vector<Pending*>& batch) {
     mask.push_back(&p->item->shared_mask);
   }
   const int64_t h = first.hidden.dim(1), k = first.local_ids.dim(1);
-  // Every buffer is overwritten entirely (rows copied in, the backend writes every output).
-  HostTensor all_hidden = HostTensor::Uninitialized(first.hidden.dtype, {tokens, h});
+  // Every buffer is overwritten entirely (rows copied in, the backend writes every output). The
+  // hidden states and output go into the registered merge buffers.
+  const TensorView all_hidden{
+      first.hidden.dtype, {tokens, h},
+      Reserve(merge_hidden_, static_cast<size_t>(tokens * h) * DTypeSize(first.hidden.dtype))};
+  const TensorView all_out{
+      first.out.dtype, {tokens, h},
+      Reserve(merge_out_, static_cast<size_t>(tokens * h) * DTypeSize(first.out.dtype))};
+  if (all_hidden.data == nullptr || all_out.data == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("shard executor: no memory for a merged batch of ", tokens, " tokens"));
+  }
   HostTensor all_ids = HostTensor::Uninitialized(DType::kI32, {tokens, k});
   HostTensor all_weights = HostTensor::Uninitialized(DType::kF32, {tokens, k});
-  HostTensor all_out = HostTensor::Uninitialized(first.out.dtype, {tokens, h});
   HostTensor all_mask;
   CopyRows(hidden, all_hidden);
-  CopyRows(ids, all_ids);
-  CopyRows(weights, all_weights);
+  CopyRows(ids, all_ids.view());
+  CopyRows(weights, all_weights.view());
   if (first.shared_mask.present()) {
     all_mask = HostTensor(DType::kBool, {tokens});
-    CopyRows(mask, all_mask);
+    CopyRows(mask, all_mask.view());
   }
   absl::Status status = backend_->Run(
       first.layer_index, *first.layer,
-      ExpertsRequest{all_hidden.view(), all_ids.view(), all_weights.view(),
-                     first.shared_mask.present() ? all_mask.view() : TensorView{}, all_out.view()});
+      ExpertsRequest{all_hidden, all_ids.view(), all_weights.view(),
+                     first.shared_mask.present() ? all_mask.view() : TensorView{}, all_out});
   if (!status.ok()) return status;
-  const auto* src = all_out.data<std::byte>();
+  const auto* src = static_cast<const std::byte*>(all_out.data);
   for (Pending* p : batch) {
     std::memcpy(p->item->out.data, src, p->item->out.NumBytes());
     src += p->item->out.NumBytes();

@@ -56,6 +56,10 @@ struct WorkItem {
   TensorView topk_weights;
   TensorView shared_mask;
   TensorView out;
+  // `hidden` / `out` are device memory of the backend's CUDA device (ExpertsRequest's flags):
+  // such an item runs alone, never merged with others.
+  bool hidden_on_device = false;
+  bool out_on_device = false;
   // The caller's deadline (the gRPC call's): the item is dropped, not run, once it has passed.
   absl::Time deadline = absl::InfiniteFuture();
 };
@@ -96,8 +100,21 @@ class Executor {
   void Account(const std::vector<Pending*>& batch, const absl::Status& status,
                absl::Duration compute) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // Page-aligned host memory registered with the backend (ExpertBackend::RegisterHostMemory).
+  struct MergeBuffer {
+    void* data = nullptr;
+    size_t bytes = 0;
+  };
+  // `buffer` with room for `bytes` (grown, re-registered, when smaller).
+  void* Reserve(MergeBuffer& buffer, size_t bytes);
+  void Release(MergeBuffer& buffer);
+
   ExpertBackend* const backend_;
   const ExecutorOptions options_;
+  // Merged batches' hidden states and output, kept from batch to batch and registered with the
+  // backend, so that a CUDA backend moves them without its staging copies. Used only by the
+  // batch that runs (busy_: one at a time).
+  MergeBuffer merge_hidden_, merge_out_;
   mutable absl::Mutex mu_;
   std::deque<Pending*> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

@@ -2,6 +2,7 @@
 // own rows back; budgets and layer boundaries split batches.
 #include "server/shard/executor.h"
 
+#include <map>
 #include <thread>
 #include <vector>
 
@@ -25,13 +26,34 @@ class FakeBackend final : public ExpertBackend {
     if (batches.empty()) release.WaitForNotification();
     const int64_t t = r.hidden_states.dim(0), h = r.hidden_states.dim(1);
     batches.push_back(t);
+    device_flags.push_back(r.hidden_on_device && r.out_on_device);
+    in_registered.push_back(Registered(r.hidden_states) && Registered(r.out));
     for (int64_t i = 0; i < t * h; ++i) {
       r.out.As<float>()[i] = r.hidden_states.As<const float>()[i] * 2 + static_cast<float>(t);
     }
     return absl::OkStatus();
   }
+  absl::Status RegisterHostMemory(void* data, size_t bytes) override {
+    registered[data] = bytes;
+    ++registrations;
+    return absl::OkStatus();
+  }
+  void UnregisterHostMemory(void* data) override { registered.erase(data); }
+  bool Registered(const TensorView& v) const {
+    for (const auto& [base, bytes] : registered) {
+      const auto* b = static_cast<const char*>(base);
+      const auto* p = static_cast<const char*>(v.data);
+      if (p >= b && p + v.NumBytes() <= b + bytes) return true;
+    }
+    return false;
+  }
+
   absl::Notification started, release;
   std::vector<int64_t> batches;
+  std::vector<bool> device_flags;   // per batch: both device flags reached the backend
+  std::vector<bool> in_registered;  // per batch: hidden states and output in registered memory
+  std::map<void*, size_t> registered;
+  int registrations = 0;
 };
 
 struct Item {
@@ -75,6 +97,10 @@ TEST(ExecutorTest, MergesQueuedRequestsOfTheSameLayer) {
   for (auto& t : threads) t.join();
   // Batches: {first}, then {a, b} merged (same layer, 7 tokens), then {c} (another layer).
   ASSERT_EQ(backend.batches.size(), 3u);
+  // The merged batch's hidden states and output sat in the executor's buffers, registered with
+  // the backend (a CUDA backend then skips its staging copies); the callers' own were not.
+  EXPECT_EQ(backend.in_registered, (std::vector<bool>{false, true, false}));
+  EXPECT_EQ(backend.registrations, 2);
   EXPECT_EQ(backend.batches[0], 1);
   EXPECT_EQ(backend.batches[1], 7);
   EXPECT_EQ(backend.batches[2], 2);
@@ -89,6 +115,68 @@ TEST(ExecutorTest, MergesQueuedRequestsOfTheSameLayer) {
   EXPECT_EQ(s.max_batch_tokens, 7u);
   EXPECT_EQ(executor.TakeStatsDelta().requests, 4u);
   EXPECT_EQ(executor.TakeStatsDelta().requests, 0u);
+}
+
+// The merge buffers stay registered from batch to batch and are unregistered (and freed) when
+// the executor goes.
+TEST(ExecutorTest, MergeBuffersGoWithTheExecutor) {
+  FakeBackend backend;
+  ExpertLayer layer;
+  {
+    Executor executor(&backend, ExecutorOptions{.max_batch_tokens = 100});
+    Item first(1, 2, 0.f, &layer, 0);
+    std::thread t0([&] { EXPECT_TRUE(executor.Run(first.work).ok()); });
+    backend.started.WaitForNotification();
+    Item a(2, 2, 10.f, &layer, 0), b(2, 2, 20.f, &layer, 0);
+    std::vector<std::thread> threads;
+    const absl::Time give_up = absl::Now() + absl::Seconds(10);
+    size_t queued = 0;
+    for (Item* item : {&a, &b}) {
+      threads.emplace_back([&executor, item] { EXPECT_TRUE(executor.Run(item->work).ok()); });
+      ++queued;
+      while (executor.queued_requests() < queued && absl::Now() < give_up)
+        absl::SleepFor(absl::Milliseconds(1));
+    }
+    backend.release.Notify();
+    t0.join();
+    for (auto& t : threads) t.join();
+    ASSERT_EQ(backend.batches, (std::vector<int64_t>{1, 4}));
+    EXPECT_EQ(backend.registered.size(), 2u);
+    for (int64_t i = 0; i < 4; ++i) EXPECT_EQ(b.out.data<float>()[i], (20.f + i) * 2 + 4);
+  }
+  EXPECT_TRUE(backend.registered.empty());
+}
+
+// A request with device tensors (a ForwardCuda on a CUDA backend) runs alone, with its flags;
+// host requests queued around it still merge with each other.
+TEST(ExecutorTest, DeviceTensorRequestsRunAlone) {
+  FakeBackend backend;
+  ExpertLayer layer;
+  Executor executor(&backend, ExecutorOptions{.max_batch_tokens = 100});
+  Item first(1, 2, 0.f, &layer, 0);
+  std::thread t0([&] { EXPECT_TRUE(executor.Run(first.work).ok()); });
+  backend.started.WaitForNotification();
+  Item a(3, 2, 10.f, &layer, 0), d(2, 2, 20.f, &layer, 0), b(4, 2, 30.f, &layer, 0);
+  d.work.hidden_on_device = true;  // host memory here: only the flags are under test
+  d.work.out_on_device = true;
+  std::vector<std::thread> threads;
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  size_t queued = 0;
+  for (Item* item : {&a, &d, &b}) {
+    threads.emplace_back([&executor, item] { EXPECT_TRUE(executor.Run(item->work).ok()); });
+    ++queued;
+    while (executor.queued_requests() < queued && absl::Now() < give_up)
+      absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_EQ(executor.queued_requests(), 3u);
+  backend.release.Notify();
+  t0.join();
+  for (auto& t : threads) t.join();
+  // {first}, {a, b} merged past d, then {d} alone with its flags.
+  ASSERT_EQ(backend.batches, (std::vector<int64_t>{1, 7, 2}));
+  EXPECT_EQ(backend.device_flags, (std::vector<bool>{false, false, true}));
+  for (int64_t i = 0; i < 4; ++i) EXPECT_EQ(d.out.data<float>()[i], (20.f + i) * 2 + 2);
+  EXPECT_EQ(executor.stats().merged_batches, 1u);
 }
 
 TEST(ExecutorTest, TokenBudgetSplitsBatches) {

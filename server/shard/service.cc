@@ -147,6 +147,18 @@ absl::Status ExpertShardService::DoForward(const v1::ForwardRequest& request,
   absl::StatusOr<std::shared_ptr<const Snapshot>> snapshot = SnapshotFor(request.map_version());
   if (!snapshot.ok()) return snapshot.status();
   const ShardPlacement& placement = *(*snapshot)->placement;
+  if (io.device) {
+    // The host must never read the payload: only formats used as they are, at an address their
+    // element type may be read from (no staging copy).
+    const v1::ActivationFormat format = request.hidden_states().format();
+    const size_t align = format == v1::ACTIVATION_F32 ? 4 : 2;
+    if ((format != v1::ACTIVATION_BF16 && format != v1::ACTIVATION_F32) ||
+        !io.hidden_payload.has_value() ||
+        reinterpret_cast<uintptr_t>(io.hidden_payload->data()) % align != 0 || !io.zero_device) {
+      return absl::InvalidArgumentError(
+          "hidden_states: device memory is taken only as F32 or BF16 at an aligned address");
+    }
+  }
   absl::StatusOr<StagedRequest> staged =
       StageForwardRequest(request, model, placement, io.hidden_payload);
   if (!staged.ok()) return staged.status();
@@ -170,11 +182,17 @@ absl::Status ExpertShardService::DoForward(const v1::ForwardRequest& request,
                   staged->local_ids.view(),
                   staged->weights.view(),
                   staged->shared_mask.NumElements() > 0 ? staged->shared_mask.view() : TensorView{},
-                  out};
+                  out,
+                  io.device,
+                  io.device};
     item.deadline = deadline;
     if (absl::Status s = executor_.Run(item); !s.ok()) return s;
   } else if (!zeroed && !out_bytes->empty()) {
-    std::memset(out_bytes->data(), 0, out_bytes->size());
+    if (io.device) {
+      if (absl::Status s = io.zero_device(*out_bytes); !s.ok()) return s;
+    } else {
+      std::memset(out_bytes->data(), 0, out_bytes->size());
+    }
   }
   response->set_request_id(request.request_id());
   response->set_map_version(placement.version());

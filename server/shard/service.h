@@ -43,6 +43,12 @@ struct ForwardIo {
   // Called once with the output's byte count; returns where those bytes go (exactly that many).
   // The response's output then carries dtype and shape only. Unset: response->output.data.
   std::function<absl::StatusOr<absl::Span<uint8_t>>(size_t bytes)> output_buffer;
+  // Both of the above are memory of the backend's CUDA device (ExpertBackend::DeviceForTensors),
+  // which the host never touches: the payload must be F32 or BF16 hidden states at an address
+  // aligned for their type, and zero_device fills an output the shard has nothing to compute for
+  // (no hosted slot, no token). REQUIRES: hidden_payload, output_buffer and zero_device set.
+  bool device = false;
+  std::function<absl::Status(absl::Span<uint8_t>)> zero_device;
 };
 
 struct ShardIdentity {

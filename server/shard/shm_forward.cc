@@ -162,6 +162,31 @@ absl::Status ShmForwardService::DoForwardCuda(const v1::CudaForwardRequest& cuda
                                                        "-byte limit of one ForwardCuda"));
     }
   }
+  // A backend on the device the handles open on (a CUDA backend) takes the frontend's device
+  // memory as it is: hidden states and output never leave the GPU. Other formats than F32 and
+  // BF16 need the host's decoding: staged.
+  const v1::ActivationFormat format = cuda.request().hidden_states().format();
+  if (shard_->backend() != nullptr &&
+      shard_->backend()->DeviceForTensors() == CudaIpcMemory::kDevice &&
+      (format == v1::ACTIVATION_BF16 || format == v1::ACTIVATION_F32)) {
+    absl::StatusOr<CudaIpcMemory::Borrowed> in = cuda_ipc_.Borrow(
+        in_ref.handle(), in_ref.offset(), in_ref.length(), "hidden_states");
+    if (!in.ok()) return in.status();
+    absl::StatusOr<CudaIpcMemory::Borrowed> out =
+        cuda_ipc_.Borrow(out_ref.handle(), out_ref.offset(), out_ref.length(), "output");
+    if (!out.ok()) return out.status();
+    ForwardIo io;
+    io.device = true;
+    io.hidden_payload = absl::string_view(in->data(), in_ref.length());
+    io.output_buffer = [&](size_t bytes) -> absl::StatusOr<absl::Span<uint8_t>> {
+      if (absl::Status s = CheckOutputSize(out_ref.length(), bytes); !s.ok()) return s;
+      return absl::Span<uint8_t>(reinterpret_cast<uint8_t*>(out->data()), bytes);
+    };
+    io.zero_device = [this](absl::Span<uint8_t> bytes) {
+      return cuda_ipc_.ZeroDevice(bytes.data(), bytes.size());
+    };
+    return shard_->ServeForward(cuda.request(), response, io);
+  }
   if (absl::Status s = cuda_ipc_.Check(out_ref.handle(), out_ref.offset(), out_ref.length(),
                                        "output");
       !s.ok()) {

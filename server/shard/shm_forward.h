@@ -1,8 +1,8 @@
 // ShmForwardService: the same-host shared-memory face of an expert shard
 // (proto/moe/v1/shm.proto). Forward reads the hidden states in place from a registered region
-// (converted once into the F32 staging tensor), runs the request through
+// (F32 and BF16 as they are, quantized forms decoded once), runs the request through
 // ExpertShardService::ServeForward (same validation, batching, load counting and metrics as
-// Forward) and converts the output straight into the region range the request named. Region
+// Forward), which writes the output straight into the region range the request named. Region
 // ranges are validated by ShmRegistry.
 //
 // Register it beside the ExpertShardService (moe_shard does with --shared_memory; it maps
@@ -10,9 +10,12 @@
 // frontends). OpenChannel starts a request channel (shm_channel.h) over a registered region:
 // one-token requests then skip gRPC entirely. Regions are registered with the shard's backend
 // too (a CUDA backend pins them: large batches then skip its staging copies). ForwardCuda serves
-// GPU-resident tensors of a
-// same-host frontend through CUDA IPC handles (cuda_ipc.h; staged through host memory: one
-// device-to-host copy in, one host-to-device copy out). Thread-safety: handlers run concurrently. Ownership: borrows `shard`; owns the
+// GPU-resident tensors of a same-host frontend through CUDA IPC handles (cuda_ipc.h): a CUDA
+// backend on the handles' device reads and writes them on the GPU (F32 and BF16 hidden states);
+// otherwise they are staged through host memory (one device-to-host copy in, one host-to-device
+// copy out).
+//
+// Thread-safety: handlers run concurrently. Ownership: borrows `shard`; owns the
 // registry.
 #ifndef MOE_SERVER_SHARD_SHM_FORWARD_H_
 #define MOE_SERVER_SHARD_SHM_FORWARD_H_
@@ -56,7 +59,7 @@ class ShmForwardService final : public v1::SharedMemoryShard::Service {
   grpc::Status ForwardCuda(grpc::ServerContext* ctx, const v1::CudaForwardRequest* request,
                            v1::ForwardResponse* response) override;
 
-  // Largest hidden-states or output range of one ForwardCuda (staged through host memory).
+  // Largest hidden-states or output range of one ForwardCuda.
   static constexpr uint64_t kMaxCudaIpcBytes = uint64_t{1} << 30;
 
   // Open channels at most (each holds a thread).
