@@ -393,8 +393,10 @@ double TargetFor(char problem, int64_t tokens) {
 // CudaExpertBackend::Run wall time (host inputs in, host output back) at each of
 // --backend_tokens: the defaults (CUDA graphs for repeated shapes, one pinned staging buffer
 // filled and emptied by several threads, moved by copy kernels up to kernel_copy_max_bytes)
-// against the copy engine for every pinned batch, launches one by one with pageable per-tensor
-// copies, the defaults with one copy thread and the defaults without graphs, in alternating
+// against the defaults with the hidden states and output in device memory (device_tensors: a
+// same-host frontend's ForwardCuda), the copy engine for every pinned batch, launches one by one
+// with pageable per-tensor copies, the defaults with one copy thread and the defaults without
+// graphs, in alternating
 // rounds over 8 routings per token count (so the graphs see several item counts), with each
 // configuration's mean host time per Run step (CudaBackendCounters). Returns the JSON rows.
 nlohmann::json TimeBackend(const ProblemLayer& problem) {
@@ -415,10 +417,14 @@ nlohmann::json TimeBackend(const ProblemLayer& problem) {
   CudaBackendOptions pdl_graph_options;
   pdl_graph_options.graph_max_tokens = 512;
   pdl_graph_options.graph_programmatic_launch = true;
+  // device_tensors: the default backend given the hidden states and output in device memory
+  // (what a shard passes for a same-host frontend's ForwardCuda), copied there outside the timing.
   const struct {
     const char* name;
     CudaBackendOptions options;
+    bool device = false;
   } configs[] = {{"default", CudaBackendOptions{}},
+                 {"device_tensors", CudaBackendOptions{}, true},
                  {"dma_copies", dma_options},
                  {"copy_out_kernel", copy_out_options},
                  {"eager_pageable", plain_options},
@@ -438,13 +444,36 @@ nlohmann::json TimeBackend(const ProblemLayer& problem) {
     std::vector<HostBatch> batches;
     for (int i = 0; i < 8; ++i) batches.push_back(RandomBatch(problem, tokens, rng));
     std::vector<uint16_t> out(static_cast<size_t>(tokens * problem.layer.hidden));
+    // Device copies of every batch's hidden states and one device output (device_tensors).
+    const size_t row_bytes = static_cast<size_t>(tokens * problem.layer.hidden) * 2;
+    std::vector<cuda::DeviceBuffer> device_hidden(batches.size());
+    cuda::DeviceBuffer device_out;
+    BENCH_CHECK_OK(device_out.Reserve(row_bytes));
+    for (size_t i = 0; i < batches.size(); ++i) {
+      BENCH_CHECK_OK(device_hidden[i].Reserve(row_bytes));
+      CUDA_CHECK_OK(cudaMemcpy(device_hidden[i].get(), batches[i].hidden.data(), row_bytes,
+                               cudaMemcpyHostToDevice));
+    }
+    const auto request_for = [&](size_t config, size_t i) {
+      ExpertsRequest r = batches[i].Request(out.data());
+      if (configs[config].device) {
+        r.hidden_states.data = device_hidden[i].get();
+        r.hidden_on_device = true;
+        r.out.data = device_out.get();
+        r.out_on_device = true;
+      }
+      return r;
+    };
     std::vector<std::vector<double>> us(backends.size());
     std::vector<uint16_t> first_out;
     for (size_t b = 0; b < backends.size(); ++b) {  // warm-up: every shape captured
       for (int pass = 0; pass < 2; ++pass) {
-        for (const HostBatch& batch : batches) {
-          BENCH_CHECK_OK(backends[b]->Run(0, problem.layer, batch.Request(out.data())));
+        for (size_t i = 0; i < batches.size(); ++i) {
+          BENCH_CHECK_OK(backends[b]->Run(0, problem.layer, request_for(b, i)));
         }
+      }
+      if (configs[b].device) {
+        CUDA_CHECK_OK(cudaMemcpy(out.data(), device_out.get(), row_bytes, cudaMemcpyDeviceToHost));
       }
       if (b == 0) {
         first_out = out;
@@ -458,8 +487,7 @@ nlohmann::json TimeBackend(const ProblemLayer& problem) {
     for (int round = 0; round < absl::GetFlag(FLAGS_backend_rounds); ++round) {
       for (size_t b = 0; b < backends.size(); ++b) {
         for (int i = 0; i < absl::GetFlag(FLAGS_backend_runs); ++i) {
-          const HostBatch& batch = batches[i % batches.size()];
-          const ExpertsRequest request = batch.Request(out.data());
+          const ExpertsRequest request = request_for(b, i % batches.size());
           const auto t0 = std::chrono::steady_clock::now();
           BENCH_CHECK_OK(backends[b]->Run(0, problem.layer, request));
           us[b].push_back(

@@ -225,11 +225,14 @@ class CudaExpertBackend final : public ExpertBackend {
     uint8_t* out_to = nullptr;
     size_t out_bytes = 0;
   };
+  // Where a Run's hidden states come from: through the pinned buffer (or a pageable copy), by
+  // one copy straight from registered host or device memory, or read in place by the kernels
+  // (device memory).
+  enum class HiddenFrom { kStaged, kCopied, kInPlace };
   // Copies the inputs into the device arena (through the pinned buffer when `pinned`; with
-  // kKernelsWithBatch only into the pinned buffer). `hidden_direct`: the hidden states are in
-  // registered memory and move straight from there (pinned batches only).
+  // kKernelsWithBatch only into the pinned buffer), the hidden states as `hidden` says.
   absl::Status CopyIn(const ExpertsRequest& request, bool with_mask, const ArenaLayout& at,
-                      bool pinned, Moves moves, bool hidden_direct)
+                      bool pinned, Moves moves, HiddenFrom hidden)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
   // Copies the output back (through the pinned buffer when `pinned`; with kKernelsWithBatch the
   // move to it is already enqueued) and waits for it.
@@ -252,8 +255,10 @@ class CudaExpertBackend final : public ExpertBackend {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
   // Enqueues the kernels (and `moves`): eagerly, or through a graph captured for the batch's
   // shape.
+  // `in_place`: the batch reads or writes device tensors of the caller in place (their
+  // addresses are part of its graph's shape).
   absl::Status EnqueueKernels(const cuda::DeviceExpertLayer& layer, const cuda::DeviceBatch& batch,
-                              const cuda::RoutePlan& plan, const BatchMoves* moves)
+                              const cuda::RoutePlan& plan, const BatchMoves* moves, bool in_place)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
   void ClearGraphs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
   // Whether batches of this plan's size run as CUDA graphs (CudaBackendOptions::graph_max_tokens).
@@ -360,7 +365,7 @@ CudaExpertBackend::ArenaLayout CudaExpertBackend::Layout(const ExpertsRequest& r
 
 absl::Status CudaExpertBackend::CopyIn(const ExpertsRequest& request, bool with_mask,
                                        const ArenaLayout& at, bool pinned, Moves moves,
-                                       bool hidden_direct) {
+                                       HiddenFrom hidden) {
   const struct {
     size_t offset;
     const TensorView& view;
@@ -372,6 +377,7 @@ absl::Status CudaExpertBackend::CopyIn(const ExpertsRequest& request, bool with_
   if (!pinned) {
     for (const auto& in : inputs) {
       if (&in.view == &request.shared_mask && !with_mask) continue;
+      if (&in.view == &request.hidden_states && hidden == HiddenFrom::kInPlace) continue;
       if (absl::Status s = CudaStatus(
               cudaMemcpyAsync(device + in.offset, in.view.data,
                               static_cast<size_t>(in.view.NumBytes()), cudaMemcpyDefault,
@@ -387,8 +393,8 @@ absl::Status CudaExpertBackend::CopyIn(const ExpertsRequest& request, bool with_
   // pinned host or device memory (UVA tells which), running while the host fills the pinned
   // buffer with the rest (which starts at the 256-aligned at.ids, past the hidden states: the
   // host never touches them).
-  size_t first = 0;
-  if (hidden_direct) {
+  const size_t first = hidden == HiddenFrom::kStaged ? 0 : at.ids;
+  if (hidden == HiddenFrom::kCopied) {
     if (absl::Status s = CudaStatus(
             cudaMemcpyAsync(device + at.hidden, request.hidden_states.data,
                             static_cast<size_t>(request.hidden_states.NumBytes()),
@@ -397,7 +403,6 @@ absl::Status CudaExpertBackend::CopyIn(const ExpertsRequest& request, bool with_
         !s.ok()) {
       return s;
     }
-    first = at.ids;
   }
   // Pinned: the inputs' span of the arena layout piece by piece (one piece for small batches),
   // each piece's host-to-device copy running while the host fills the next.
@@ -539,7 +544,7 @@ absl::Status CudaExpertBackend::Capture(const cuda::DeviceExpertLayer& layer,
 absl::Status CudaExpertBackend::EnqueueKernels(const cuda::DeviceExpertLayer& layer,
                                                const cuda::DeviceBatch& batch,
                                                const cuda::RoutePlan& plan,
-                                               const BatchMoves* moves) {
+                                               const BatchMoves* moves, bool in_place) {
   const bool graphs = Graphed(plan);
   // Graphed shapes round their item grids up, so that routings with nearby item counts share one.
   runner_.set_round_item_grid(graphs);
@@ -560,8 +565,14 @@ absl::Status CudaExpertBackend::EnqueueKernels(const cuda::DeviceExpertLayer& la
     graph_scratch_ = runner_.scratch_generation();
     graph_layers_ = layers;
   }
-  // With its copy kernels, a graph also holds where they copy (the arena layout of the shape).
+  // With its copy kernels, a graph also holds where they copy (the arena layout of the shape);
+  // with device tensors used in place, their addresses. (Not the arena's own: it only moves when
+  // every graph is dropped, and the sightings must outlive that.)
   std::string key = runner_.ShapeKey(layer, batch, plan);
+  if (in_place) {
+    absl::StrAppend(&key, "|at:", reinterpret_cast<uintptr_t>(batch.hidden), ":",
+                    reinterpret_cast<uintptr_t>(batch.out));
+  }
   if (moves != nullptr) {
     absl::StrAppend(&key, "|moves:", moves->in_bytes, ":", moves->out_to - pinned_device_, ":",
                     moves->out_bytes, ":", batch.out == moves->out_to);
@@ -664,22 +675,31 @@ absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
       cudaGetLastError();  // clears a non-sticky error
     }
   }
-  // Device tensors (ExpertsRequest::hidden_on_device, out_on_device) move by device copies; the
-  // graphed form's copy kernels would read and write them through the pinned buffer.
+  // Device tensors (ExpertsRequest::hidden_on_device, out_on_device) at 256-byte aligned
+  // addresses, as the arena's, are read and written in place by the kernels: no copy at all (a
+  // graph then holds their addresses, EnqueueKernels). Others move by device copies, which the
+  // graphed form's copy kernels (through the pinned buffer) cannot do.
   const bool on_device = request.hidden_on_device || request.out_on_device;
+  const auto in_place = [](const TensorView& v, bool device) {
+    return device && reinterpret_cast<uintptr_t>(v.data) % 256 == 0;
+  };
+  const bool hidden_in_place = in_place(request.hidden_states, request.hidden_on_device);
+  const bool out_in_place = in_place(request.out, request.out_on_device);
+  const bool device_copies = (request.hidden_on_device && !hidden_in_place) ||
+                             (request.out_on_device && !out_in_place);
   Moves moves = Moves::kCopyEngine;
   if (pinned && pinned_device_ != nullptr &&
       static_cast<int64_t>(at.total) <= options_.kernel_copy_max_bytes) {
-    moves = Graphed(plan) && !on_device && at.in_bytes <= kCopyPieceBytes &&
+    moves = Graphed(plan) && !device_copies && at.in_bytes <= kCopyPieceBytes &&
                     static_cast<size_t>(request.out.NumBytes()) <= kCopyPieceBytes
                 ? Moves::kKernelsWithBatch
                 : Moves::kKernels;
   }
   // Hidden states and output in registered memory: straight to and from the device (eager
   // pinned batches; larger ones copy every tensor from the caller's memory anyway). Device
-  // tensors always.
-  const auto direct = [&](const TensorView& v, bool on_device) {
-    if (on_device) return pinned;
+  // tensors not used in place always.
+  const auto direct = [&](const TensorView& v, bool device) {
+    if (device) return pinned && !in_place(v, device);
     const int64_t bytes = v.NumBytes();
     return pinned && moves != Moves::kKernelsWithBatch && options_.max_registered_bytes > 0 &&
            bytes >= options_.registered_direct_min_bytes &&
@@ -687,40 +707,58 @@ absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
   };
   const bool hidden_direct = direct(request.hidden_states, request.hidden_on_device);
   const bool out_direct = direct(request.out, request.out_on_device);
+  const HiddenFrom hidden_from = hidden_in_place ? HiddenFrom::kInPlace
+                                 : hidden_direct ? HiddenFrom::kCopied
+                                                 : HiddenFrom::kStaged;
   t = AddElapsed(t, &counters_.prepare_ns);
-  if (absl::Status s = CopyIn(request, with_mask, at, pinned, moves, hidden_direct); !s.ok()) {
+  if (absl::Status s = CopyIn(request, with_mask, at, pinned, moves, hidden_from); !s.ok()) {
     return s;
   }
   t = AddElapsed(t, &counters_.copy_in_ns);
   uint8_t* device = arena_.as<uint8_t>();
   cuda::DeviceBatch batch;
-  batch.hidden = device + at.hidden;
+  batch.hidden = hidden_in_place ? request.hidden_states.data : device + at.hidden;
   batch.hidden_bf16 = request.hidden_states.dtype == DType::kBF16;
   batch.ids = reinterpret_cast<const int32_t*>(device + at.ids);
   batch.weights = reinterpret_cast<const float*>(device + at.weights);
   batch.shared_mask = with_mask ? device + at.mask : nullptr;
-  batch.out = device + at.out;
+  batch.out = out_in_place ? static_cast<uint8_t*>(request.out.data) : device + at.out;
   batch.out_bf16 = request.out.dtype == DType::kBF16;
   BatchMoves batch_moves;
   if (moves == Moves::kKernelsWithBatch) {
     // Every kernel only writes the output (prologue zeros, fold or combine), once per element.
-    const bool direct = options_.pinned_direct_output;
+    const bool direct = options_.pinned_direct_output && !out_in_place;
     if (direct) batch.out = pinned_device_ + at.out;
-    batch_moves = {pinned_device_, device, at.in_bytes, device + at.out, pinned_device_ + at.out,
-                   direct ? 0 : static_cast<size_t>(request.out.NumBytes())};
+    const size_t first = hidden_in_place ? at.ids : 0;  // what CopyIn put in the pinned buffer
+    batch_moves = {pinned_device_ + first,
+                   device + first,
+                   at.in_bytes - first,
+                   device + at.out,
+                   pinned_device_ + at.out,
+                   direct || out_in_place ? 0 : static_cast<size_t>(request.out.NumBytes())};
   }
-  if (absl::Status s = EnqueueKernels(
-          d, batch, plan, moves == Moves::kKernelsWithBatch ? &batch_moves : nullptr);
+  if (absl::Status s =
+          EnqueueKernels(d, batch, plan, moves == Moves::kKernelsWithBatch ? &batch_moves : nullptr,
+                         hidden_in_place || out_in_place);
       !s.ok()) {
     return s;
   }
   AddElapsed(t, &counters_.enqueue_ns);
-  // A registered output: one copy-engine transfer into it (CopyOut's unstaged form).
-  if (absl::Status s = CopyOut(request, at, pinned && !out_direct, moves); !s.ok()) return s;
+  if (out_in_place) {
+    // The kernels wrote it: only the wait.
+    t = RunClock::now();
+    const absl::Status synced = CudaStatus(cudaStreamSynchronize(stream_), "expert kernels");
+    AddElapsed(t, &counters_.wait_ns);
+    if (!synced.ok()) return synced;
+  } else if (absl::Status s = CopyOut(request, at, pinned && !out_direct, moves); !s.ok()) {
+    // A registered or device output: one copy into it (CopyOut's unstaged form).
+    return s;
+  }
   if (pinned) ++counters_.pinned_runs;
   if (moves != Moves::kCopyEngine) ++counters_.kernel_copy_runs;
-  if (hidden_direct || out_direct) ++counters_.direct_runs;
+  if (hidden_direct || out_direct || hidden_in_place || out_in_place) ++counters_.direct_runs;
   if (on_device) ++counters_.device_tensor_runs;
+  if (hidden_in_place || out_in_place) ++counters_.in_place_runs;
   return absl::OkStatus();
 }
 

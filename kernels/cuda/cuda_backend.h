@@ -131,8 +131,10 @@ struct CudaBackendCounters {
   int64_t direct_runs = 0;
   int64_t registered_bytes = 0;
   // Runs whose hidden states or output were device memory (ExpertsRequest::hidden_on_device,
-  // out_on_device; counted in direct_runs too).
+  // out_on_device; counted in direct_runs too), and of those, Runs whose kernels read or wrote
+  // one of them in place (256-byte aligned: no copy).
   int64_t device_tensor_runs = 0;
+  int64_t in_place_runs = 0;
   // Fused layer kernels enqueued (eager runs and captures; replays launch what they captured).
   int64_t fused_layer_launches = 0;
   // GEMM2 launches that waited per item (ExpertGemmParams::item_ready; eager runs and captures).

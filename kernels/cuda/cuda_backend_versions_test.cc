@@ -359,7 +359,8 @@ TEST(CudaBackendVersionsTest, RegisteredHostMemoryIsUsedInPlace) {
 }
 
 // Hidden states and output in device memory (what a shard passes for a same-host frontend's
-// ForwardCuda): moved by device copies, eager or graphed, each form bit-equal to the same batch
+// ForwardCuda): read and written in place by the kernels at 256-byte aligned addresses, moved by
+// device copies at others; eager, captured and replayed; each form bit-equal to the same batch
 // from host memory (and that within 1e-2 of the CPU reference); one device tensor with the other
 // on the host works too.
 TEST(CudaBackendVersionsTest, DeviceTensorsStayOnTheDevice) {
@@ -375,10 +376,15 @@ TEST(CudaBackendVersionsTest, DeviceTensorsStayOnTheDevice) {
   ASSERT_NE(d_in, nullptr);
   ASSERT_NE(d_out, nullptr);
   const std::vector<uint8_t> poison(kBytes, 0xFF);
-  int device_runs = 0;
+  int device_runs = 0, in_place_runs = 0;
   for (const int64_t tokens : {1, 2, 2, 2, 40, 300}) {  // 2 x 3: eager, captured, replayed
-    for (const auto& [hidden_dev, out_dev] :
-         {std::pair{true, true}, std::pair{true, false}, std::pair{false, true}}) {
+    // Offset 0: in place; 64: copied.
+    const struct {
+      bool hidden_dev, out_dev;
+      size_t offset;
+    } cases[] = {{true, true, 0}, {true, false, 0}, {false, true, 0},
+                 {true, true, 64}, {true, false, 64}, {false, true, 64}};
+    for (const auto& [hidden_dev, out_dev, offset] : cases) {
       cpu::RandomRequestSpec spec;
       spec.tokens = tokens;
       spec.top_k = 4;
@@ -398,27 +404,31 @@ TEST(CudaBackendVersionsTest, DeviceTensorsStayOnTheDevice) {
       const size_t in_bytes = static_cast<size_t>(r.hidden_states.NumBytes());
       const size_t out_bytes = static_cast<size_t>(r.out.NumBytes());
       if (hidden_dev) {
-        ASSERT_TRUE(cuda::CopyAnyBytes(d_in, r.hidden_states.data, in_bytes));
-        r.hidden_states.data = d_in;
+        void* at = static_cast<uint8_t*>(d_in) + offset;
+        ASSERT_TRUE(cuda::CopyAnyBytes(at, r.hidden_states.data, in_bytes));
+        r.hidden_states.data = at;
         r.hidden_on_device = true;
       }
       if (out_dev) {
-        ASSERT_TRUE(cuda::CopyAnyBytes(d_out, poison.data(), out_bytes));
-        r.out.data = d_out;
+        void* at = static_cast<uint8_t*>(d_out) + offset;
+        ASSERT_TRUE(cuda::CopyAnyBytes(at, poison.data(), out_bytes));
+        r.out.data = at;
         r.out_on_device = true;
       }
       const absl::Status s = b.Run(0, layer->layer, r);
       ASSERT_TRUE(s.ok()) << s;
       ++device_runs;
+      in_place_runs += offset == 0 ? 1 : 0;
       std::vector<uint8_t> got(out_bytes);
       ASSERT_TRUE(cuda::CopyAnyBytes(got.data(), r.out.data, out_bytes));
       EXPECT_EQ(std::memcmp(got.data(), host.Request().out.data, out_bytes), 0)
           << "T=" << tokens << " hidden on device " << hidden_dev << " output on device "
-          << out_dev;
+          << out_dev << " offset " << offset;
     }
   }
   const CudaBackendCounters n = GetCudaBackendCounters(b);
   EXPECT_EQ(n.device_tensor_runs, device_runs);
+  EXPECT_EQ(n.in_place_runs, in_place_runs);
   EXPECT_GE(n.graph_replays, 1);
   cuda::DeviceFree(d_in);
   cuda::DeviceFree(d_out);
