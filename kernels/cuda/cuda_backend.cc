@@ -675,13 +675,21 @@ absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
       cudaGetLastError();  // clears a non-sticky error
     }
   }
-  // Device tensors (ExpertsRequest::hidden_on_device, out_on_device) at 256-byte aligned
-  // addresses, as the arena's, are read and written in place by the kernels: no copy at all (a
-  // graph then holds their addresses, EnqueueKernels). Others move by device copies, which the
-  // graphed form's copy kernels (through the pinned buffer) cannot do.
+  // Device tensors (ExpertsRequest::hidden_on_device, out_on_device) in this device's memory at
+  // 256-byte aligned addresses, as the arena's, are read and written in place by the kernels: no
+  // copy at all (a graph then holds their addresses, EnqueueKernels). Others (another GPU's
+  // memory, which the kernels would read over the link again and again, or unaligned) move by
+  // one device copy each way, which the graphed form's copy kernels (through the pinned buffer)
+  // cannot do.
   const bool on_device = request.hidden_on_device || request.out_on_device;
-  const auto in_place = [](const TensorView& v, bool device) {
-    return device && reinterpret_cast<uintptr_t>(v.data) % 256 == 0;
+  const auto in_place = [this](const TensorView& v, bool device) {
+    if (!device || reinterpret_cast<uintptr_t>(v.data) % 256 != 0) return false;
+    cudaPointerAttributes where{};
+    if (cudaPointerGetAttributes(&where, v.data) != cudaSuccess) {
+      cudaGetLastError();  // clears a non-sticky error
+      return false;
+    }
+    return where.type == cudaMemoryTypeDevice && where.device == options_.device;
   };
   const bool hidden_in_place = in_place(request.hidden_states, request.hidden_on_device);
   const bool out_in_place = in_place(request.out, request.out_on_device);
@@ -698,15 +706,16 @@ absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
   // Hidden states and output in registered memory: straight to and from the device (eager
   // pinned batches; larger ones copy every tensor from the caller's memory anyway). Device
   // tensors not used in place always.
-  const auto direct = [&](const TensorView& v, bool device) {
-    if (device) return pinned && !in_place(v, device);
+  const auto direct = [&](const TensorView& v, bool device, bool used_in_place) {
+    if (device) return pinned && !used_in_place;
     const int64_t bytes = v.NumBytes();
     return pinned && moves != Moves::kKernelsWithBatch && options_.max_registered_bytes > 0 &&
            bytes >= options_.registered_direct_min_bytes &&
            InRegistered(v.data, static_cast<size_t>(bytes));
   };
-  const bool hidden_direct = direct(request.hidden_states, request.hidden_on_device);
-  const bool out_direct = direct(request.out, request.out_on_device);
+  const bool hidden_direct =
+      direct(request.hidden_states, request.hidden_on_device, hidden_in_place);
+  const bool out_direct = direct(request.out, request.out_on_device, out_in_place);
   const HiddenFrom hidden_from = hidden_in_place ? HiddenFrom::kInPlace
                                  : hidden_direct ? HiddenFrom::kCopied
                                                  : HiddenFrom::kStaged;

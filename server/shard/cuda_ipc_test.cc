@@ -215,11 +215,15 @@ TEST(CudaIpcTest, SecondProcessForwardsDeviceTensors) {
     EXPECT_EQ(WEXITSTATUS(status), 0)
         << backend << " backend: the client process failed (its stderr says why)";
     // The CUDA backend ran every good ForwardCuda (20, and one after each of 7 misuses) on the
-    // client's device memory; the CPU backend has no such counter (all zero).
-    const int64_t device_runs = GetCudaBackendCounters((*shard)->backend()).device_tensor_runs;
-    EXPECT_EQ(device_runs, std::string(backend) == "cuda" ? 27 : 0) << backend;
-    std::fprintf(stderr, "%s backend: %lld ForwardCuda runs on device tensors\n", backend,
-                 static_cast<long long>(device_runs));
+    // client's device memory, in place (offsets 256 and 512 of allocations on its device); the
+    // CPU backend has no such counters (all zero).
+    const CudaBackendCounters n = GetCudaBackendCounters((*shard)->backend());
+    const int64_t want = std::string(backend) == "cuda" ? 27 : 0;
+    EXPECT_EQ(n.device_tensor_runs, want) << backend;
+    EXPECT_EQ(n.in_place_runs, want) << backend;
+    std::fprintf(stderr, "%s backend: %lld ForwardCuda runs on device tensors, %lld in place\n",
+                 backend, static_cast<long long>(n.device_tensor_runs),
+                 static_cast<long long>(n.in_place_runs));
   }
 }
 

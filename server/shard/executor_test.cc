@@ -2,6 +2,7 @@
 // own rows back; budgets and layer boundaries split batches.
 #include "server/shard/executor.h"
 
+#include <initializer_list>
 #include <map>
 #include <thread>
 #include <vector>
@@ -70,31 +71,36 @@ struct Item {
   WorkItem work;
 };
 
-TEST(ExecutorTest, MergesQueuedRequestsOfTheSameLayer) {
-  FakeBackend backend;
-  ExpertLayer layer_a, layer_b;
-  Executor executor(&backend, ExecutorOptions{.max_batch_tokens = 100});
-  Item first(1, 2, 0.f, &layer_a, 0);
+// Runs `first` on its own thread and waits until the backend holds it (the worker is then busy),
+// then queues `items` in this order, each on its own thread once the previous one is in the
+// queue (threads started together could queue in any order), and releases the worker. Joins all.
+void RunBehindFirst(Executor& executor, FakeBackend& backend, Item& first,
+                    std::initializer_list<Item*> items) {
   std::thread t0([&] { EXPECT_TRUE(executor.Run(first.work).ok()); });
-  backend.started.WaitForNotification();  // the worker is now busy with `first`
-  Item a(3, 2, 10.f, &layer_a, 0), b(4, 2, 20.f, &layer_a, 0), c(2, 2, 30.f, &layer_b, 1);
-  // Queued in the order a, b, c: each thread starts once the previous request is in the queue
-  // (three threads started together could queue c first, and the batches would come as {c},
-  // {a, b}). Bounded waits on the queue depth.
+  backend.started.WaitForNotification();
   std::vector<std::thread> threads;
-  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);  // bounded waits on the depth
   size_t queued = 0;
-  for (Item* item : {&a, &b, &c}) {
+  for (Item* item : items) {
     threads.emplace_back([&executor, item] { EXPECT_TRUE(executor.Run(item->work).ok()); });
     ++queued;
     while (executor.queued_requests() < queued && absl::Now() < give_up)
       absl::SleepFor(absl::Milliseconds(1));
   }
-  // The worker is released only once all three are queued.
-  ASSERT_EQ(executor.queued_requests(), 3u);
+  // The worker is released only once all are queued.
+  EXPECT_EQ(executor.queued_requests(), items.size());
   backend.release.Notify();
   t0.join();
   for (auto& t : threads) t.join();
+}
+
+TEST(ExecutorTest, MergesQueuedRequestsOfTheSameLayer) {
+  FakeBackend backend;
+  ExpertLayer layer_a, layer_b;
+  Executor executor(&backend, ExecutorOptions{.max_batch_tokens = 100});
+  Item first(1, 2, 0.f, &layer_a, 0);
+  Item a(3, 2, 10.f, &layer_a, 0), b(4, 2, 20.f, &layer_a, 0), c(2, 2, 30.f, &layer_b, 1);
+  RunBehindFirst(executor, backend, first, {&a, &b, &c});
   // Batches: {first}, then {a, b} merged (same layer, 7 tokens), then {c} (another layer).
   ASSERT_EQ(backend.batches.size(), 3u);
   // The merged batch's hidden states and output sat in the executor's buffers, registered with
@@ -125,21 +131,8 @@ TEST(ExecutorTest, MergeBuffersGoWithTheExecutor) {
   {
     Executor executor(&backend, ExecutorOptions{.max_batch_tokens = 100});
     Item first(1, 2, 0.f, &layer, 0);
-    std::thread t0([&] { EXPECT_TRUE(executor.Run(first.work).ok()); });
-    backend.started.WaitForNotification();
     Item a(2, 2, 10.f, &layer, 0), b(2, 2, 20.f, &layer, 0);
-    std::vector<std::thread> threads;
-    const absl::Time give_up = absl::Now() + absl::Seconds(10);
-    size_t queued = 0;
-    for (Item* item : {&a, &b}) {
-      threads.emplace_back([&executor, item] { EXPECT_TRUE(executor.Run(item->work).ok()); });
-      ++queued;
-      while (executor.queued_requests() < queued && absl::Now() < give_up)
-        absl::SleepFor(absl::Milliseconds(1));
-    }
-    backend.release.Notify();
-    t0.join();
-    for (auto& t : threads) t.join();
+    RunBehindFirst(executor, backend, first, {&a, &b});
     ASSERT_EQ(backend.batches, (std::vector<int64_t>{1, 4}));
     EXPECT_EQ(backend.registered.size(), 2u);
     for (int64_t i = 0; i < 4; ++i) EXPECT_EQ(b.out.data<float>()[i], (20.f + i) * 2 + 4);
@@ -154,24 +147,10 @@ TEST(ExecutorTest, DeviceTensorRequestsRunAlone) {
   ExpertLayer layer;
   Executor executor(&backend, ExecutorOptions{.max_batch_tokens = 100});
   Item first(1, 2, 0.f, &layer, 0);
-  std::thread t0([&] { EXPECT_TRUE(executor.Run(first.work).ok()); });
-  backend.started.WaitForNotification();
   Item a(3, 2, 10.f, &layer, 0), d(2, 2, 20.f, &layer, 0), b(4, 2, 30.f, &layer, 0);
   d.work.hidden_on_device = true;  // host memory here: only the flags are under test
   d.work.out_on_device = true;
-  std::vector<std::thread> threads;
-  const absl::Time give_up = absl::Now() + absl::Seconds(10);
-  size_t queued = 0;
-  for (Item* item : {&a, &d, &b}) {
-    threads.emplace_back([&executor, item] { EXPECT_TRUE(executor.Run(item->work).ok()); });
-    ++queued;
-    while (executor.queued_requests() < queued && absl::Now() < give_up)
-      absl::SleepFor(absl::Milliseconds(1));
-  }
-  ASSERT_EQ(executor.queued_requests(), 3u);
-  backend.release.Notify();
-  t0.join();
-  for (auto& t : threads) t.join();
+  RunBehindFirst(executor, backend, first, {&a, &d, &b});
   // {first}, {a, b} merged past d, then {d} alone with its flags.
   ASSERT_EQ(backend.batches, (std::vector<int64_t>{1, 7, 2}));
   EXPECT_EQ(backend.device_flags, (std::vector<bool>{false, false, true}));
