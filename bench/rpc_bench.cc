@@ -44,6 +44,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
@@ -53,6 +54,7 @@
 #include "client/raw_forward.h"
 #include "client/shm_channel.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/device.h"
 #include "moe/v1/shard.grpc.pb.h"
 #include "moe/v1/shm.grpc.pb.h"
 #include "nlohmann/json.hpp"
@@ -68,8 +70,17 @@ ABSL_FLAG(std::string, modes, "proto,raw,shm,channel",
           "proto (Forward), raw (ForwardRaw), shm (SharedMemoryShard.Forward), channel "
           "(shared-memory request channel: no gRPC call per request), stream (ForwardStream: "
           "one request and its response per call on a bidirectional stream opened once per "
-          "client), ping (GetInfo: a small "
+          "client), cuda (SharedMemoryShard.ForwardCuda from a second process whose hidden "
+          "states and output are its own device memory, shared by CUDA IPC handles; one client "
+          "only; needs a GPU), ping (GetInfo: a small "
           "unary call with no payload and no executor, the gRPC floor of this host)");
+ABSL_FLAG(std::string, cuda_client, "",
+          "internal: run as the cuda mode's client process against this shard address (with "
+          "--cuda_client_tokens, --seconds and the request shape flags), print one result line");
+ABSL_FLAG(int64_t, cuda_client_tokens, 1, "internal: tokens per request of the cuda client");
+ABSL_FLAG(bool, cuda_on_device, true,
+          "cuda mode: the shard hands a CUDA backend the client's device memory as it is "
+          "(false: ForwardCuda staged through host memory)");
 ABSL_FLAG(bool, pin_shm, true,
           "register the clients' shared-memory regions with the backend too (a CUDA backend "
           "pins them and reads and writes large batches in place; false: staged copies)");
@@ -394,8 +405,116 @@ double Percentile(std::vector<double>& v, double q) {
   return v[i];
 }
 
+// The cuda mode's client process: the same requests as a Client of that many tokens (seed of
+// client 0), hidden states and output in its own device memory shared through CUDA IPC handles;
+// warms up, calls ForwardCuda for `seconds`, prints "calls errors p50 p99 mean" on one line and
+// the first error on the next. Returns the exit status.
+int RunCudaClient(const std::string& address, int64_t t, const RequestShape& shape,
+                  double seconds) {
+  std::mt19937_64 rng(1000003 * (t + 1));
+  std::string payload;
+  std::vector<v1::ForwardRequest> headers;
+  for (int i = 0; i < (shape.routed ? kRoutings : 1); ++i) {
+    headers.push_back(MakeHeader(t, shape, rng, &payload));
+  }
+  const size_t bytes = payload.size();  // BF16 in, BF16 out
+  void* d_in = cuda::DeviceAlloc(std::max<size_t>(bytes, 1));
+  void* d_out = cuda::DeviceAlloc(std::max<size_t>(bytes, 1));
+  if (d_in == nullptr || d_out == nullptr || !cuda::CopyAnyBytes(d_in, payload.data(), bytes)) {
+    std::printf("0 1 0 0 0\ncannot allocate or fill device memory\n");
+    return 1;
+  }
+  const std::string in_handle = cuda::IpcHandleOf(d_in), out_handle = cuda::IpcHandleOf(d_out);
+  std::vector<v1::CudaForwardRequest> requests;
+  for (const v1::ForwardRequest& header : headers) {
+    v1::CudaForwardRequest& r = requests.emplace_back();
+    *r.mutable_request() = header;
+    r.mutable_hidden_states()->set_handle(in_handle);
+    r.mutable_hidden_states()->set_length(bytes);
+    r.mutable_output()->set_handle(out_handle);
+    r.mutable_output()->set_length(bytes);
+  }
+  auto stub = v1::SharedMemoryShard::NewStub(NewChannel(address));
+  int64_t errors = 0;
+  std::string first_error;
+  const auto call = [&](size_t i) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+    v1::ForwardResponse response;
+    const grpc::Status s = stub->ForwardCuda(&ctx, requests[i % requests.size()], &response);
+    if (!s.ok() && errors++ == 0) first_error = s.error_message();
+    return s.ok();
+  };
+  for (size_t i = 0; i < 2 * requests.size(); ++i) call(i);  // warm-up (graph captures)
+  errors = 0;
+  std::vector<double> us;
+  const absl::Time stop = absl::Now() + absl::Seconds(seconds);
+  for (size_t i = 0; us.size() + errors < 3 || absl::Now() < stop; ++i) {
+    const absl::Time t0 = absl::Now();
+    if (call(i)) us.push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
+  }
+  double sum = 0;
+  for (double v : us) sum += v;
+  const double mean = us.empty() ? 0 : sum / static_cast<double>(us.size());
+  const size_t calls = us.size();
+  const double p50 = Percentile(us, 0.5), p99 = Percentile(us, 0.99);
+  std::printf("%zu %lld %.3f %.3f %.3f\n%s\n", calls, static_cast<long long>(errors), p50, p99,
+              mean, first_error.c_str());
+  cuda::DeviceFree(d_in);
+  cuda::DeviceFree(d_out);
+  return 0;
+}
+
+// The cuda mode: runs RunCudaClient in a second process (this binary again) and reads its line.
+CaseResult RunCudaCase(const Case& c, const std::string& address, const RequestShape& shape,
+                       double seconds, BenchObserver& observer, const ExpertBackend& backend) {
+  CaseResult r;
+  r.c = c;
+  r.payload_bytes = c.tokens * shape.hidden * 2;
+  const int64_t direct_before = GetCudaBackendCounters(backend).direct_runs;
+  const std::string command = absl::StrCat(
+      "/proc/", getpid(), "/exe --cuda_client=", address, " --cuda_client_tokens=", c.tokens,
+      " --seconds=", seconds, " --hidden=", shape.hidden, " --top_k=", shape.top_k,
+      " --experts=", shape.experts, " --routes=", shape.routed ? "uniform" : "none");
+  observer.Reset();  // the client's 16 warm-up calls are counted too
+  const absl::Time start = absl::Now();
+  FILE* child = popen(command.c_str(), "r");
+  if (child == nullptr) {
+    r.errors = 1;
+    r.first_error = "cannot start the cuda client process";
+    return r;
+  }
+  char line[4096] = {};
+  double p50 = 0, p99 = 0, mean = 0;
+  long long calls = 0, errors = 0;
+  if (std::fgets(line, sizeof(line), child) == nullptr ||
+      std::sscanf(line, "%lld %lld %lf %lf %lf", &calls, &errors, &p50, &p99, &mean) != 5) {
+    errors = std::max(errors, 1LL);
+    r.first_error = "the cuda client process printed no result";
+  } else if (std::fgets(line, sizeof(line), child) != nullptr) {
+    r.first_error = std::string(absl::StripTrailingAsciiWhitespace(line));
+  }
+  if (pclose(child) != 0 && r.first_error.empty()) r.first_error = "the cuda client process failed";
+  r.wall_s = absl::ToDoubleSeconds(absl::Now() - start);
+  r.calls = calls;
+  r.errors = errors;
+  r.p50_us = p50;
+  r.p99_us = p99;
+  r.mean_us = mean;
+  r.effective_gbps = seconds > 0 ? 2.0 * r.payload_bytes * calls / seconds / 1e9 : 0;
+  BenchObserver::Taken taken = observer.Take();
+  r.shard_p50_us = Percentile(taken.forward_us, 0.5);
+  r.batch_p50_us = Percentile(taken.batch_us, 0.5);
+  r.batches = static_cast<int64_t>(taken.batch_us.size());
+  r.requests_per_batch =
+      r.batches > 0 ? static_cast<double>(taken.batch_requests) / static_cast<double>(r.batches) : 0;
+  r.direct_runs = GetCudaBackendCounters(backend).direct_runs - direct_before;
+  return r;
+}
+
 CaseResult RunCase(const Case& c, const std::string& address, const RequestShape& shape,
                    double seconds, BenchObserver& observer, const ExpertBackend& backend) {
+  if (c.mode == "cuda") return RunCudaCase(c, address, shape, seconds, observer, backend);
   const int64_t direct_before = GetCudaBackendCounters(backend).direct_runs;
   CaseResult r;
   r.c = c;
@@ -608,6 +727,7 @@ int Main() {
   options.max_batch_tokens = 1 << 20;
   options.observer = &observer;
   options.pin_shared_memory = absl::GetFlag(FLAGS_pin_shm);
+  options.forward_cuda_on_device = absl::GetFlag(FLAGS_cuda_on_device);
   absl::StatusOr<std::unique_ptr<InProcessShard>> shard = InProcessShard::Start(options);
   if (!shard.ok()) {
     std::fprintf(stderr, "rpc_bench: %s\n", shard.status().ToString().c_str());
@@ -629,6 +749,7 @@ int Main() {
     for (int64_t n : ParseList(absl::GetFlag(FLAGS_clients))) {
       if (n > 1 && n * t * shape.hidden * 2 > cap) continue;
       for (absl::string_view mode : absl::StrSplit(absl::GetFlag(FLAGS_modes), ',')) {
+        if (mode == "cuda" && n > 1) continue;  // one client process only
         const CaseResult r =
             RunCase({std::string(mode), t, static_cast<int>(n)}, (*shard)->address(), shape,
                     absl::GetFlag(FLAGS_seconds), observer, (*shard)->backend());
@@ -656,6 +777,7 @@ int Main() {
       {"cpus", std::thread::hardware_concurrency()},
       {"backend", options.backend},
       {"pin_shm", options.pin_shared_memory},
+      {"cuda_on_device", options.forward_cuda_on_device},
       {"allocator_tuned", tuned},
       {"channel_spin_us", absl::GetFlag(FLAGS_channel_spin_us) >= 0
                               ? absl::GetFlag(FLAGS_channel_spin_us)
@@ -685,12 +807,22 @@ int Main() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "rpc_bench [--tokens 1,16,...] [--clients 1,4,...] [--modes proto,raw,shm,channel]\n"
+      "rpc_bench [--tokens 1,16,...] [--clients 1,4,...] [--modes proto,raw,shm,channel,stream,"
+      "cuda,ping]\n"
       "          [--routes none|uniform --backend cpu|cuda --experts --top_k --intermediate\n"
       "           --hidden --format mxfp4|nvfp4]\n"
       "Forward transport benchmark (protobuf, raw buffers, shared memory, request channel) "
       "against an in-process shard; with --routes=uniform, the served latency of real expert "
       "compute on --backend.");
   absl::ParseCommandLine(argc, argv);
+  if (const std::string address = absl::GetFlag(FLAGS_cuda_client); !address.empty()) {
+    moe::RequestShape shape;
+    shape.hidden = absl::GetFlag(FLAGS_hidden);
+    shape.top_k = absl::GetFlag(FLAGS_top_k);
+    shape.experts = absl::GetFlag(FLAGS_experts);
+    shape.routed = absl::GetFlag(FLAGS_routes) == "uniform";
+    return moe::RunCudaClient(address, absl::GetFlag(FLAGS_cuda_client_tokens), shape,
+                              absl::GetFlag(FLAGS_seconds));
+  }
   return moe::Main();
 }

@@ -53,4 +53,13 @@ bool CopyAnyBytes(void* dst, const void* src, size_t bytes) {
   return false;
 }
 
+std::string IpcHandleOf(void* data) {
+  cudaIpcMemHandle_t h;
+  if (cudaIpcGetMemHandle(&h, data) != cudaSuccess) {
+    cudaGetLastError();
+    return "";
+  }
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
 }  // namespace moe::cuda

@@ -24,6 +24,9 @@ std::string DeviceDescription(int ordinal);
 void* DeviceAlloc(size_t bytes);
 void DeviceFree(void* data);
 bool CopyAnyBytes(void* dst, const void* src, size_t bytes);
+// The CUDA IPC handle (its 64 bytes) of a DeviceAlloc allocation, for another process on this
+// host; empty on failure or without CUDA.
+std::string IpcHandleOf(void* data);
 
 }  // namespace moe::cuda
 

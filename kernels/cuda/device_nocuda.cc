@@ -17,5 +17,6 @@ std::string DeviceDescription(int) { return "built without CUDA"; }
 void* DeviceAlloc(size_t) { return nullptr; }
 void DeviceFree(void*) {}
 bool CopyAnyBytes(void*, const void*, size_t) { return false; }
+std::string IpcHandleOf(void*) { return ""; }
 
 }  // namespace moe::cuda

@@ -28,7 +28,8 @@ absl::StatusOr<std::unique_ptr<InProcessShard>> InProcessShard::Start(
   }
   shard->raw_ = std::make_unique<RawForwardService>(shard->service_.get());
   shard->shm_ =
-      std::make_unique<ShmForwardService>(shard->service_.get(), options.pin_shared_memory);
+      std::make_unique<ShmForwardService>(shard->service_.get(), options.pin_shared_memory,
+                                          options.forward_cuda_on_device);
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);

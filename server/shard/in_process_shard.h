@@ -32,8 +32,10 @@ struct InProcessShardOptions {
   // Told about every Forward and executor batch (ShardObserver); borrowed, may be null, must
   // outlive the shard.
   ShardObserver* observer = nullptr;
-  // Shared-memory regions registered with the backend too (ShmForwardService's pin_regions).
+  // Shared-memory regions registered with the backend too (ShmForwardService's pin_regions),
+  // and ForwardCuda's device memory handed to a CUDA backend as it is (its cuda_on_device).
   bool pin_shared_memory = true;
+  bool forward_cuda_on_device = true;
 };
 
 class InProcessShard {

@@ -56,6 +56,9 @@ ABSL_FLAG(bool, pin_shared_memory, true,
           "with --shared_memory: also register each region with the backend (a CUDA backend "
           "pins it, up to 16 GiB in all, and reads hidden states and writes outputs of 256 KB and "
           "more in place instead of through its staging buffer)");
+ABSL_FLAG(bool, forward_cuda_on_device, true,
+          "with --shared_memory and --backend cuda: ForwardCuda's F32/BF16 hidden states and "
+          "output stay on the GPU (false: staged through host memory, as with a CPU backend)");
 ABSL_FLAG(std::string, metrics_port_file, "", "write the bound metrics port to this file");
 ABSL_FLAG(std::string, http_host, "127.0.0.1", "address the metrics HTTP endpoint listens on");
 ABSL_FLAG(int, max_connection_age_seconds, 300,
@@ -181,7 +184,8 @@ int Run(const ShardOptions& o) {
   // ForwardRaw (server/common/raw_frame.h): the same Forward without protobuf copies of tensors.
   RawForwardService raw_forward(&service);
   builder.RegisterService(&raw_forward);
-  ShmForwardService shm_forward(&service, absl::GetFlag(FLAGS_pin_shared_memory));
+  ShmForwardService shm_forward(&service, absl::GetFlag(FLAGS_pin_shared_memory),
+                                absl::GetFlag(FLAGS_forward_cuda_on_device));
   if (absl::GetFlag(FLAGS_shared_memory)) builder.RegisterService(&shm_forward);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {

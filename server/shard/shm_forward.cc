@@ -32,8 +32,10 @@ absl::Status CheckOutputSize(uint64_t range, size_t bytes) {
 
 }  // namespace
 
-ShmForwardService::ShmForwardService(ExpertShardService* shard, bool pin_regions)
+ShmForwardService::ShmForwardService(ExpertShardService* shard, bool pin_regions,
+                                     bool cuda_on_device)
     : shard_(shard),
+      cuda_on_device_(cuda_on_device),
       registry_(ShmRegistry::Hooks{
           [backend = pin_regions ? shard->backend() : nullptr](void* base, uint64_t bytes) {
             if (backend == nullptr) return;
@@ -166,7 +168,7 @@ absl::Status ShmForwardService::DoForwardCuda(const v1::CudaForwardRequest& cuda
   // memory as it is: hidden states and output never leave the GPU. Other formats than F32 and
   // BF16 need the host's decoding: staged.
   const v1::ActivationFormat format = cuda.request().hidden_states().format();
-  if (shard_->backend() != nullptr &&
+  if (cuda_on_device_ && shard_->backend() != nullptr &&
       shard_->backend()->DeviceForTensors() == CudaIpcMemory::kDevice &&
       (format == v1::ACTIVATION_BF16 || format == v1::ACTIVATION_F32)) {
     absl::StatusOr<CudaIpcMemory::Borrowed> in = cuda_ipc_.Borrow(

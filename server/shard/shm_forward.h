@@ -39,8 +39,10 @@ class ShmForwardService final : public v1::SharedMemoryShard::Service {
  public:
   // With `pin_regions`, registered regions are also registered with the shard's backend
   // (ExpertBackend::RegisterHostMemory: a CUDA backend pins them and moves hidden states and
-  // outputs straight between them and the device).
-  explicit ShmForwardService(ExpertShardService* shard, bool pin_regions = true);
+  // outputs straight between them and the device). With `cuda_on_device`, ForwardCuda hands a
+  // CUDA backend the frontend's device memory itself (false: always staged through host memory).
+  explicit ShmForwardService(ExpertShardService* shard, bool pin_regions = true,
+                             bool cuda_on_device = true);
 
   ShmRegistry& registry() { return registry_; }
 
@@ -73,6 +75,7 @@ class ShmForwardService final : public v1::SharedMemoryShard::Service {
   absl::Status DoForwardCuda(const v1::CudaForwardRequest& request, v1::ForwardResponse* response);
 
   ExpertShardService* const shard_;
+  const bool cuda_on_device_;
   ShmRegistry registry_;
   CudaIpcMemory cuda_ipc_;
   absl::Mutex channels_mu_;
