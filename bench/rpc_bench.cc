@@ -405,6 +405,19 @@ double Percentile(std::vector<double>& v, double q) {
   return v[i];
 }
 
+// The shard's side of a case (BenchObserver since its Reset, the backend's direct Runs since
+// `direct_before`) into `r`.
+void TakeShardSide(BenchObserver& observer, const ExpertBackend& backend, int64_t direct_before,
+                   CaseResult& r) {
+  BenchObserver::Taken taken = observer.Take();
+  r.shard_p50_us = Percentile(taken.forward_us, 0.5);
+  r.batch_p50_us = Percentile(taken.batch_us, 0.5);
+  r.batches = static_cast<int64_t>(taken.batch_us.size());
+  r.requests_per_batch =
+      r.batches > 0 ? static_cast<double>(taken.batch_requests) / static_cast<double>(r.batches) : 0;
+  r.direct_runs = GetCudaBackendCounters(backend).direct_runs - direct_before;
+}
+
 // The cuda mode's client process: the same requests as a Client of that many tokens (seed of
 // client 0), hidden states and output in its own device memory shared through CUDA IPC handles;
 // warms up, calls ForwardCuda for `seconds`, prints "calls errors p50 p99 mean" on one line and
@@ -502,13 +515,7 @@ CaseResult RunCudaCase(const Case& c, const std::string& address, const RequestS
   r.p99_us = p99;
   r.mean_us = mean;
   r.effective_gbps = seconds > 0 ? 2.0 * r.payload_bytes * calls / seconds / 1e9 : 0;
-  BenchObserver::Taken taken = observer.Take();
-  r.shard_p50_us = Percentile(taken.forward_us, 0.5);
-  r.batch_p50_us = Percentile(taken.batch_us, 0.5);
-  r.batches = static_cast<int64_t>(taken.batch_us.size());
-  r.requests_per_batch =
-      r.batches > 0 ? static_cast<double>(taken.batch_requests) / static_cast<double>(r.batches) : 0;
-  r.direct_runs = GetCudaBackendCounters(backend).direct_runs - direct_before;
+  TakeShardSide(observer, backend, direct_before, r);
   return r;
 }
 
@@ -564,13 +571,7 @@ CaseResult RunCase(const Case& c, const std::string& address, const RequestShape
   end = start;
   go.Notify();
   for (std::thread& t : threads) t.join();
-  BenchObserver::Taken shard = observer.Take();
-  r.shard_p50_us = Percentile(shard.forward_us, 0.5);
-  r.batch_p50_us = Percentile(shard.batch_us, 0.5);
-  r.batches = static_cast<int64_t>(shard.batch_us.size());
-  r.requests_per_batch =
-      r.batches > 0 ? static_cast<double>(shard.batch_requests) / static_cast<double>(r.batches) : 0;
-  r.direct_runs = GetCudaBackendCounters(backend).direct_runs - direct_before;
+  TakeShardSide(observer, backend, direct_before, r);
   r.calls = static_cast<int64_t>(latencies_us.size());
   r.wall_s = absl::ToDoubleSeconds(end - start);
   double sum = 0;
