@@ -138,6 +138,23 @@ int RunClient(const std::string& address) {
     CLIENT_CHECK(g.ok(), "call ", i, ": ", g.error_message());
     if (int rc = check_output(); rc != 0) return rc;
   }
+  // Hidden states at an odd offset (BF16 read from there would be misaligned): served through
+  // host memory, which realigns them; then the payload goes back to offset 256.
+  {
+    CLIENT_CHECK(cudaMemcpy(d_in + 1, payload.data(), payload.size(), cudaMemcpyHostToDevice) ==
+                     cudaSuccess,
+                 "H2D");
+    CLIENT_CHECK(cudaDeviceSynchronize() == cudaSuccess, "sync");
+    v1::CudaForwardRequest odd = req;
+    odd.mutable_hidden_states()->set_offset(1);
+    g = call(odd);
+    CLIENT_CHECK(g.ok(), "odd offset: ", g.error_message());
+    if (int rc = check_output(); rc != 0) return rc;
+    CLIENT_CHECK(cudaMemcpy(d_in + 256, payload.data(), payload.size(), cudaMemcpyHostToDevice) ==
+                     cudaSuccess,
+                 "H2D");
+    CLIENT_CHECK(cudaDeviceSynchronize() == cudaSuccess, "sync");
+  }
   // Misuse, each followed by a good call.
   struct Bad {
     const char* what;
@@ -185,7 +202,9 @@ int RunClient(const std::string& address) {
   }
   cudaFree(d_in);
   cudaFree(d_out);
-  std::fprintf(stderr, "client: 20 ForwardCuda calls equal Forward; %zu misuses refused\n",
+  std::fprintf(stderr,
+               "client: 20 ForwardCuda calls and one at an odd offset equal Forward; %zu misuses "
+               "refused\n",
                bad.size());
   return 0;
 }
@@ -214,9 +233,9 @@ TEST(CudaIpcTest, SecondProcessForwardsDeviceTensors) {
     ASSERT_TRUE(WIFEXITED(status));
     EXPECT_EQ(WEXITSTATUS(status), 0)
         << backend << " backend: the client process failed (its stderr says why)";
-    // The CUDA backend ran every good ForwardCuda (20, and one after each of 7 misuses) on the
-    // client's device memory, in place (offsets 256 and 512 of allocations on its device); the
-    // CPU backend has no such counters (all zero).
+    // The CUDA backend ran every good ForwardCuda (20, and one after each of 7 misuses; not the
+    // odd offset's, staged) on the client's device memory, in place (offsets 256 and 512 of
+    // allocations on its device); the CPU backend has no such counters (all zero).
     const CudaBackendCounters n = GetCudaBackendCounters((*shard)->backend());
     const int64_t want = std::string(backend) == "cuda" ? 27 : 0;
     EXPECT_EQ(n.device_tensor_runs, want) << backend;

@@ -73,6 +73,10 @@ class ShmForwardService final : public v1::SharedMemoryShard::Service {
  private:
   absl::Status DoForward(const v1::ShmForwardRequest& request, v1::ForwardResponse* response);
   absl::Status DoForwardCuda(const v1::CudaForwardRequest& request, v1::ForwardResponse* response);
+  // ForwardCuda with the frontend's device memory handed to the backend as it is.
+  absl::Status ServeOnDevice(const v1::CudaForwardRequest& request,
+                             const CudaIpcMemory::Borrowed& in,
+                             const CudaIpcMemory::Borrowed& out, v1::ForwardResponse* response);
 
   ExpertShardService* const shard_;
   const bool cuda_on_device_;
