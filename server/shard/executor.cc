@@ -59,11 +59,11 @@ Executor::~Executor() {
 
 void* Executor::Reserve(MergeBuffer& buffer, size_t bytes) {
   if (buffer.bytes >= bytes) return buffer.data;
-  Release(buffer);
   // Whole pages, at least 1 MiB, doubling: regrown (and re-registered) rarely.
   constexpr size_t kPage = 4096;
   size_t size = std::max<size_t>({size_t{1} << 20, 2 * buffer.bytes, bytes});
   size = (size + kPage - 1) / kPage * kPage;
+  Release(buffer);
   void* data = nullptr;
   if (posix_memalign(&data, kPage, size) != 0) return nullptr;
   buffer = {data, size};
