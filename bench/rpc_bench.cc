@@ -84,6 +84,9 @@ ABSL_FLAG(bool, cuda_on_device, true,
 ABSL_FLAG(bool, pin_shm, true,
           "register the clients' shared-memory regions with the backend too (a CUDA backend "
           "pins them and reads and writes large batches in place; false: staged copies)");
+ABSL_FLAG(int64_t, raw_pool_mib, 256,
+          "raw mode: MiB of idle ForwardRaw payload/output buffers the shard keeps (registered "
+          "with a CUDA backend); 0: fresh, unregistered buffers per call (staged copies)");
 ABSL_FLAG(std::string, model_dir, "",
           "use the checkpoint in this directory, generating it there first when it has no "
           "config.json (kept afterwards); empty: a temporary directory, removed at exit");
@@ -729,6 +732,8 @@ int Main() {
   options.observer = &observer;
   options.pin_shared_memory = absl::GetFlag(FLAGS_pin_shm);
   options.forward_cuda_on_device = absl::GetFlag(FLAGS_cuda_on_device);
+  options.raw_buffers.max_idle_bytes =
+      static_cast<size_t>(std::max<int64_t>(absl::GetFlag(FLAGS_raw_pool_mib), 0)) << 20;
   absl::StatusOr<std::unique_ptr<InProcessShard>> shard = InProcessShard::Start(options);
   if (!shard.ok()) {
     std::fprintf(stderr, "rpc_bench: %s\n", shard.status().ToString().c_str());
@@ -779,6 +784,7 @@ int Main() {
       {"backend", options.backend},
       {"pin_shm", options.pin_shared_memory},
       {"cuda_on_device", options.forward_cuda_on_device},
+      {"raw_pool_mib", options.raw_buffers.max_idle_bytes >> 20},
       {"allocator_tuned", tuned},
       {"channel_spin_us", absl::GetFlag(FLAGS_channel_spin_us) >= 0
                               ? absl::GetFlag(FLAGS_channel_spin_us)

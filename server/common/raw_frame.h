@@ -47,6 +47,8 @@ grpc::ByteBuffer EncodeRawFrame(const google::protobuf::MessageLite& header, grp
 class RawPayload {
  public:
   size_t size() const { return size_; }
+  // Whether the payload lies in one slice (Contiguous() then copies nothing).
+  bool in_one_piece() const { return pieces_.size() <= 1; }
   // The payload as one contiguous range: the slice memory itself when the payload lies in one
   // slice (what gRPC delivers for most frames it did not have to reassemble), else one copy
   // (made on the first call, kept).

@@ -26,7 +26,7 @@ absl::StatusOr<std::unique_ptr<InProcessShard>> InProcessShard::Start(
       !s.ok()) {
     return s;
   }
-  shard->raw_ = std::make_unique<RawForwardService>(shard->service_.get());
+  shard->raw_ = std::make_unique<RawForwardService>(shard->service_.get(), options.raw_buffers);
   shard->shm_ =
       std::make_unique<ShmForwardService>(shard->service_.get(), options.pin_shared_memory,
                                           options.forward_cuda_on_device);

@@ -36,6 +36,8 @@ struct InProcessShardOptions {
   // and ForwardCuda's device memory handed to a CUDA backend as it is (its cuda_on_device).
   bool pin_shared_memory = true;
   bool forward_cuda_on_device = true;
+  // ForwardRaw's reused payload and output buffers (RawForwardService).
+  HostBufferPoolOptions raw_buffers;
 };
 
 class InProcessShard {

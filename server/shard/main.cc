@@ -59,6 +59,9 @@ ABSL_FLAG(bool, pin_shared_memory, true,
 ABSL_FLAG(bool, forward_cuda_on_device, true,
           "with --shared_memory and --backend cuda: ForwardCuda's F32/BF16 hidden states and "
           "output stay on the GPU (false: staged through host memory, as with a CPU backend)");
+ABSL_FLAG(int, raw_buffer_pool_mb, 256,
+          "ForwardRaw: MiB of idle payload and output buffers kept for reuse (a CUDA backend pins "
+          "them once and moves them to and from the GPU without staging copies); 0 keeps none");
 ABSL_FLAG(std::string, metrics_port_file, "", "write the bound metrics port to this file");
 ABSL_FLAG(std::string, http_host, "127.0.0.1", "address the metrics HTTP endpoint listens on");
 ABSL_FLAG(int, max_connection_age_seconds, 300,
@@ -81,6 +84,7 @@ struct ShardOptions {
   ExecutorOptions executor;
   HttpEndpointOptions metrics;
   AdmissionOptions admission;
+  HostBufferPoolOptions raw_buffers;
 };
 
 ShardOptions OptionsFromFlags() {
@@ -100,6 +104,8 @@ ShardOptions OptionsFromFlags() {
   o.admission.max_inflight_total = absl::GetFlag(FLAGS_max_inflight_total);
   o.executor.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   o.executor.max_batch_wait = absl::Microseconds(absl::GetFlag(FLAGS_max_batch_wait_us));
+  o.raw_buffers.max_idle_bytes =
+      static_cast<size_t>(std::max(absl::GetFlag(FLAGS_raw_buffer_pool_mb), 0)) << 20;
   o.metrics = {absl::GetFlag(FLAGS_http_host), absl::GetFlag(FLAGS_metrics_port),
                absl::GetFlag(FLAGS_metrics_port_file)};
   return o;
@@ -182,7 +188,7 @@ int Run(const ShardOptions& o) {
   }
   builder.RegisterService(&service);
   // ForwardRaw (server/common/raw_frame.h): the same Forward without protobuf copies of tensors.
-  RawForwardService raw_forward(&service);
+  RawForwardService raw_forward(&service, o.raw_buffers);
   builder.RegisterService(&raw_forward);
   ShmForwardService shm_forward(&service, absl::GetFlag(FLAGS_pin_shared_memory),
                                 absl::GetFlag(FLAGS_forward_cuda_on_device));

@@ -4,6 +4,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "grpcpp/impl/rpc_service_method.h"
 #include "grpcpp/support/method_handler.h"
 #include "moe/v1/shard.pb.h"
@@ -13,11 +14,12 @@
 namespace moe {
 namespace {
 
-void DeleteTensor(void* p) { delete static_cast<HostTensor*>(p); }
+void ReturnLease(void* lease) { delete static_cast<HostBufferPool::Lease*>(lease); }
 
 }  // namespace
 
-RawForwardService::RawForwardService(ExpertShardService* shard) : shard_(shard) {
+RawForwardService::RawForwardService(ExpertShardService* shard, HostBufferPoolOptions pool)
+    : shard_(shard), pool_(shard->backend(), pool) {
   // A sync unary method over ByteBuffer messages: gRPC hands the received slices over without
   // parsing them, and sends the response slices as they are.
   AddMethod(new grpc::internal::RpcServiceMethod(
@@ -41,24 +43,45 @@ absl::Status RawForwardService::Serve(const grpc::ByteBuffer& frame, grpc::ByteB
     return absl::InvalidArgumentError(
         "hidden_states.data.data: must be empty in a ForwardRaw header (the payload follows it)");
   }
-  // The output is converted straight into a (recycled) buffer the response slice then owns.
-  std::unique_ptr<HostTensor> output;
   ForwardIo io;
-  io.hidden_payload = payload.Contiguous();
+  // A payload gRPC delivered in pieces (any large one: <= 64 KiB slices) is gathered once into
+  // a pooled buffer, which the backend has registered; one in a single slice is read in place.
+  HostBufferPool::Lease gathered;
+  if (payload.in_one_piece()) {
+    io.hidden_payload = payload.Contiguous();
+  } else {
+    gathered = pool_.Acquire(payload.size());
+    if (gathered.empty()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("ForwardRaw: no host memory for a ", payload.size(), "-byte payload"));
+    }
+    payload.CopyTo(gathered.data());
+    io.hidden_payload =
+        absl::string_view(reinterpret_cast<const char*>(gathered.data()), payload.size());
+  }
+  // The output goes straight into a pooled buffer that the response slice then owns (returned
+  // to the pool when gRPC has sent it).
+  HostBufferPool::Lease output;
+  size_t output_bytes = 0;
   io.output_buffer = [&](size_t bytes) -> absl::StatusOr<absl::Span<uint8_t>> {
-    output = std::make_unique<HostTensor>(
-        HostTensor::Uninitialized(DType::kU8, {static_cast<int64_t>(bytes)}));
-    return absl::Span<uint8_t>(output->data<uint8_t>(), bytes);
+    output_bytes = bytes;
+    if (bytes == 0) return absl::Span<uint8_t>();
+    output = pool_.Acquire(bytes);
+    if (output.empty()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("ForwardRaw: no host memory for a ", bytes, "-byte output"));
+    }
+    return absl::Span<uint8_t>(output.data(), bytes);
   };
   v1::ForwardResponse response;
   if (absl::Status s = shard_->ServeForward(request, &response, io); !s.ok()) return s;
-  if (output == nullptr || output->NumElements() == 0) {
+  if (output.empty()) {
     *out = EncodeRawFrame(response, grpc::Slice());
     return absl::OkStatus();
   }
-  const size_t bytes = static_cast<size_t>(output->NumElements());
-  HostTensor* owned = output.release();
-  *out = EncodeRawFrame(response, grpc::Slice(owned->data<uint8_t>(), bytes, &DeleteTensor, owned));
+  uint8_t* const data = output.data();
+  auto* owned = new HostBufferPool::Lease(std::move(output));
+  *out = EncodeRawFrame(response, grpc::Slice(data, output_bytes, &ReturnLease, owned));
   return absl::OkStatus();
 }
 

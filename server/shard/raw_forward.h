@@ -1,10 +1,12 @@
 // RawForwardService: the raw-buffer Forward of an expert shard (framing: server/common/
 // raw_frame.h). It receives the request as a grpc::ByteBuffer (no protobuf parse of the hidden
 // states), reads the payload where gRPC received it (one copy only when it arrived split over
-// several slices) and converts it once into the F32 staging tensor, runs it through
-// ExpertShardService::ServeForward (the same validation, batching, load counting and metrics as
-// Forward), and answers with a frame whose payload slice wraps the buffer the output was
-// converted into (freed by gRPC when sent), so the output is never copied either.
+// several slices, into a pooled buffer the backend has registered: HostBufferPool), runs it
+// through ExpertShardService::ServeForward (the same validation, batching, load counting and
+// metrics as Forward), and answers with a frame whose payload slice wraps the pooled buffer the
+// backend wrote the output into (returned to the pool when gRPC has sent it), so the output is
+// never copied either. With a CUDA backend both move between those buffers and the device
+// without staging copies.
 //
 // Register it on the same grpc::ServerBuilder as the ExpertShardService (moe_shard does).
 // Thread-safety: handlers run concurrently on gRPC's sync threads. Ownership: borrows `shard`,
@@ -16,22 +18,26 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/impl/service_type.h"
 #include "grpcpp/support/byte_buffer.h"
+#include "server/shard/host_buffer_pool.h"
 #include "server/shard/service.h"
 
 namespace moe {
 
 class RawForwardService final : public grpc::Service {
  public:
-  explicit RawForwardService(ExpertShardService* shard);
+  explicit RawForwardService(ExpertShardService* shard, HostBufferPoolOptions pool = {});
 
   // One ForwardRaw call: `request` and `response` are raw frames.
   grpc::Status ForwardRaw(grpc::ServerContext* ctx, const grpc::ByteBuffer* request,
                           grpc::ByteBuffer* response);
+  // Reuse and registration counts of the payload and output buffers.
+  HostBufferPoolStats pool_stats() const { return pool_.stats(); }
 
  private:
   absl::Status Serve(const grpc::ByteBuffer& request, grpc::ByteBuffer* response);
 
   ExpertShardService* const shard_;
+  HostBufferPool pool_;
 };
 
 }  // namespace moe

@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -17,6 +18,8 @@
 #include "server/common/raw_frame.h"
 #include "server/model/generator.h"
 #include "server/shard/in_process_shard.h"
+#include "server/shard/model_source.h"
+#include "server/shard/raw_forward.h"
 
 namespace moe {
 namespace {
@@ -196,6 +199,104 @@ TEST_F(RawForwardTest, OversizeMessageIsResourceExhausted) {
   absl::StatusOr<RawForwardReply> reply = ForwardRaw(channel_->get(), ctx.get(), header, big);
   EXPECT_EQ(reply.status().code(), absl::StatusCode::kResourceExhausted) << reply.status();
   ExpectStillServing();
+}
+
+// Wraps the CPU reference and records, per Run, whether the hidden states and output lay in
+// memory registered with it (what lets a CUDA backend skip its staging copies).
+class RegistrationRecordingBackend final : public ExpertBackend {
+ public:
+  explicit RegistrationRecordingBackend(std::unique_ptr<ExpertBackend> inner)
+      : inner_(std::move(inner)) {}
+  absl::string_view name() const override { return "recording"; }
+  std::string device() const override { return "cpu"; }
+  absl::Status CheckSupported(const ExpertLayer& l) const override {
+    return inner_->CheckSupported(l);
+  }
+  absl::Status PrepareLayer(int i, const ExpertLayer& l) override {
+    return inner_->PrepareLayer(i, l);
+  }
+  absl::Status Run(int i, const ExpertLayer& l, const ExpertsRequest& r) override {
+    absl::MutexLock lock(&mu_);
+    hidden_registered.push_back(Registered(r.hidden_states));
+    out_registered.push_back(Registered(r.out));
+    return inner_->Run(i, l, r);
+  }
+  absl::Status RegisterHostMemory(void* data, size_t bytes) override {
+    absl::MutexLock lock(&mu_);
+    ranges_[data] = bytes;
+    return absl::OkStatus();
+  }
+  void UnregisterHostMemory(void* data) override {
+    absl::MutexLock lock(&mu_);
+    ranges_.erase(data);
+  }
+
+  std::vector<bool> hidden_registered, out_registered;
+
+ private:
+  bool Registered(const TensorView& v) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const auto* p = static_cast<const char*>(v.data);
+    for (const auto& [base, bytes] : ranges_) {
+      const auto* b = static_cast<const char*>(base);
+      if (p >= b && p + v.NumBytes() <= b + bytes) return true;
+    }
+    return false;
+  }
+
+  std::unique_ptr<ExpertBackend> inner_;
+  absl::Mutex mu_;
+  std::map<void*, size_t> ranges_ ABSL_GUARDED_BY(mu_);
+};
+
+// A payload that arrives in pieces is gathered into a pooled, registered buffer and the output is
+// written into one; both are reused by the next call; the answers equal the one-piece frame's.
+TEST_F(RawForwardTest, PayloadAndOutputUseRegisteredPooledBuffers) {
+  const std::string dir = absl::StrCat(std::getenv("TEST_TMPDIR"), "/raw_forward_model");
+  absl::StatusOr<std::unique_ptr<ModelWeightSource>> source = ModelWeightSource::Open(dir);
+  ASSERT_TRUE(source.ok()) << source.status();
+  absl::StatusOr<std::unique_ptr<ExpertBackend>> reference = CreateBackend("cpu-reference");
+  ASSERT_TRUE(reference.ok());
+  RegistrationRecordingBackend backend(*std::move(reference));
+  ExpertShardService service(source->get(), &backend, ExecutorOptions());
+  const ServedModel& model = (*source)->model();
+  ASSERT_TRUE(
+      service.Activate(ShardPlacement::Standalone(model.num_layers, model.num_experts, 1)).ok());
+  HostBufferPoolOptions pool;
+  pool.register_min_bytes = 0;  // this test's tensors are small
+  RawForwardService raw(&service, pool);
+
+  std::string payload;
+  const v1::ForwardRequest header = Header(&payload);
+  const grpc::ByteBuffer whole = EncodeRawFrame(header, grpc::Slice(payload));
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(whole.Dump(&slices).ok());
+  ASSERT_EQ(slices.size(), 2u);
+  const size_t cut = payload.size() / 3;
+  // Separate copies: gRPC would merge adjacent sub-slices of one slice back into one.
+  grpc::Slice pieces[3] = {slices[0], grpc::Slice(payload.data(), cut),
+                           grpc::Slice(payload.data() + cut, payload.size() - cut)};
+  const grpc::ByteBuffer split(pieces, 3);
+
+  std::string outputs[3];
+  for (int call = 0; call < 3; ++call) {
+    grpc::ByteBuffer response;
+    const grpc::Status s = raw.ForwardRaw(nullptr, call == 1 ? &whole : &split, &response);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    v1::ForwardResponse reply;
+    ASSERT_TRUE(DecodeRawFrame(response, &reply, &outputs[call]).ok());
+  }  // each response (and its output buffer) is released before the next call
+  EXPECT_EQ(outputs[0].size(), static_cast<size_t>(kTokens * kHidden * 4));
+  EXPECT_NE(outputs[0], std::string(outputs[0].size(), '\0'));
+  EXPECT_EQ(outputs[1], outputs[0]);
+  EXPECT_EQ(outputs[2], outputs[0]);
+  // The one-piece payload is read where gRPC put it; gathered ones are in registered memory.
+  EXPECT_EQ(backend.hidden_registered, (std::vector<bool>{true, false, true}));
+  EXPECT_EQ(backend.out_registered, (std::vector<bool>{true, true, true}));
+  const HostBufferPoolStats stats = raw.pool_stats();
+  EXPECT_EQ(stats.allocations, 2);  // one payload buffer, one output buffer
+  EXPECT_EQ(stats.reuses, 3);
+  EXPECT_EQ(stats.registered, 2);
+  EXPECT_EQ(stats.lent_bytes, 0u);
 }
 
 }  // namespace
