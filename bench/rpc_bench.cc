@@ -586,9 +586,8 @@ CaseResult RunCase(const Case& c, const std::string& address, const RequestShape
   return r;
 }
 
-// Raw TCP loopback: one connection, a writer pushing `buffer_bytes` buffers `rounds` times and a
-// reader draining them; GB/s of payload moved (one direction), the transport ceiling.
-double TcpLoopbackGbps(int64_t buffer_bytes, int rounds) {
+// Two connected loopback TCP sockets with TCP_NODELAY; {-1, -1} on failure.
+std::pair<int, int> LoopbackPair() {
   const int listener = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -598,11 +597,52 @@ double TcpLoopbackGbps(int64_t buffer_bytes, int rounds) {
       listen(listener, 1) != 0 ||
       getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
     std::perror("rpc_bench: tcp listener");
-    return 0;
+    if (listener >= 0) close(listener);
+    return {-1, -1};
   }
+  const int client = socket(AF_INET, SOCK_STREAM, 0);
+  // The kernel completes the handshake from the backlog, so accept after connect does not block.
+  if (client < 0 || connect(client, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    std::perror("rpc_bench: tcp connect");
+    close(listener);
+    if (client >= 0) close(client);
+    return {-1, -1};
+  }
+  const int server = accept(listener, nullptr, nullptr);
+  close(listener);
+  const int one = 1;
+  setsockopt(client, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  setsockopt(server, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  return {client, server};
+}
+
+bool ReadFully(int fd, char* p, int64_t n) {
+  while (n > 0) {
+    const ssize_t got = read(fd, p, n);
+    if (got <= 0) return false;
+    p += got;
+    n -= got;
+  }
+  return true;
+}
+
+bool WriteFully(int fd, const char* p, int64_t n) {
+  while (n > 0) {
+    const ssize_t sent = write(fd, p, n);
+    if (sent <= 0) return false;
+    p += sent;
+    n -= sent;
+  }
+  return true;
+}
+
+// Raw TCP loopback: one connection, a writer pushing `buffer_bytes` buffers `rounds` times and a
+// reader draining them; GB/s of payload moved (one direction), the transport ceiling.
+double TcpLoopbackGbps(int64_t buffer_bytes, int rounds) {
+  const auto [client, server] = LoopbackPair();
+  if (client < 0) return 0;
   const int64_t total = buffer_bytes * rounds;
-  std::thread reader([listener, total] {
-    const int fd = accept(listener, nullptr, nullptr);
+  std::thread reader([fd = server, total] {
     std::vector<char> buf(4 << 20);
     int64_t got = 0;
     while (got < total) {
@@ -610,27 +650,43 @@ double TcpLoopbackGbps(int64_t buffer_bytes, int rounds) {
       if (n <= 0) break;
       got += n;
     }
-    close(fd);
   });
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    std::perror("rpc_bench: tcp connect");
-  }
   const std::vector<char> buffer(buffer_bytes, 1);
   const absl::Time t0 = absl::Now();
   for (int i = 0; i < rounds; ++i) {
-    int64_t sent = 0;
-    while (sent < buffer_bytes) {
-      const ssize_t n = write(fd, buffer.data() + sent, buffer_bytes - sent);
-      if (n <= 0) break;
-      sent += n;
-    }
+    if (!WriteFully(client, buffer.data(), buffer_bytes)) break;
   }
   reader.join();  // the reader has everything: the time is end to end
   const double s = absl::ToDoubleSeconds(absl::Now() - t0);
-  close(fd);
-  close(listener);
+  close(client);
+  close(server);
   return static_cast<double>(total) / s / 1e9;
+}
+
+// Raw TCP loopback round trip: `bytes` to an echo thread and back, blocking reads on both sides
+// (what any request/response transport over TCP pays at least); median us over `rounds`.
+double TcpRoundTripUs(int64_t bytes, int rounds) {
+  const auto [client, server] = LoopbackPair();
+  if (client < 0) return 0;
+  std::thread echo([fd = server, bytes, rounds] {
+    std::vector<char> buf(bytes);
+    for (int i = 0; i < rounds; ++i) {
+      if (!ReadFully(fd, buf.data(), bytes) || !WriteFully(fd, buf.data(), bytes)) break;
+    }
+  });
+  std::vector<char> buf(bytes, 1);
+  std::vector<double> us;
+  for (int i = 0; i < rounds; ++i) {
+    const absl::Time t0 = absl::Now();
+    if (!WriteFully(client, buf.data(), bytes) || !ReadFully(client, buf.data(), bytes)) break;
+    us.push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
+  }
+  echo.join();
+  close(client);
+  close(server);
+  if (us.empty()) return 0;
+  std::nth_element(us.begin(), us.begin() + us.size() / 2, us.end());
+  return us[us.size() / 2];
 }
 
 std::vector<int64_t> ParseList(const std::string& flag) {
@@ -745,7 +801,9 @@ int Main() {
   shape.top_k = served.top_k;
   shape.experts = served.num_experts;
   const double tcp_gbps = TcpLoopbackGbps(64 << 20, 16);
-  std::printf("raw TCP loopback (64 MiB buffers): %.2f GB/s\n", tcp_gbps);
+  const double tcp_rtt_us = TcpRoundTripUs(64, 4000);
+  std::printf("raw TCP loopback (64 MiB buffers): %.2f GB/s; 64-byte round trip %.1f us\n",
+              tcp_gbps, tcp_rtt_us);
   std::printf("%-7s %8s %10s %7s %7s %6s %10s %10s %10s %10s %6s %8s %7s\n", "mode", "tokens",
               "payload", "clients", "calls", "errors", "p50_us", "p99_us", "shard_p50",
               "batch_p50", "req/b", "GB/s", "direct");
@@ -784,6 +842,7 @@ int Main() {
       {"backend", options.backend},
       {"pin_shm", options.pin_shared_memory},
       {"cuda_on_device", options.forward_cuda_on_device},
+      {"tcp_round_trip_us", tcp_rtt_us},
       {"raw_pool_mib", options.raw_buffers.max_idle_bytes >> 20},
       {"allocator_tuned", tuned},
       {"channel_spin_us", absl::GetFlag(FLAGS_channel_spin_us) >= 0
