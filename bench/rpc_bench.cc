@@ -53,6 +53,7 @@
 #include "absl/time/time.h"
 #include "client/raw_forward.h"
 #include "client/shm_channel.h"
+#include "client/tcp_channel.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/device.h"
 #include "moe/v1/shard.grpc.pb.h"
@@ -66,9 +67,11 @@ ABSL_FLAG(std::string, out_json, "", "JSON output (default bench/results/rpc_ben
 ABSL_FLAG(int64_t, hidden, 2048, "hidden size H of the generated model (BF16: 2H bytes/token)");
 ABSL_FLAG(std::string, tokens, "1,16,256,1024,4096,16384", "tokens per request, comma-separated");
 ABSL_FLAG(std::string, clients, "1,4,16,64", "concurrent clients, comma-separated");
-ABSL_FLAG(std::string, modes, "proto,raw,shm,channel",
-          "proto (Forward), raw (ForwardRaw), shm (SharedMemoryShard.Forward), channel "
-          "(shared-memory request channel: no gRPC call per request), stream (ForwardStream: "
+ABSL_FLAG(std::string, modes, "proto,raw,tcp,shm,channel",
+          "proto (Forward), raw (ForwardRaw), tcp (direct TCP channel: ForwardRaw's bytes as "
+          "frames on a socket of its own, no gRPC call per request), shm "
+          "(SharedMemoryShard.Forward), channel (shared-memory request channel: no gRPC call per "
+          "request), stream (ForwardStream: "
           "one request and its response per call on a bidirectional stream opened once per "
           "client), cuda (SharedMemoryShard.ForwardCuda from a second process whose hidden "
           "states and output are its own device memory, shared by CUDA IPC handles; one client "
@@ -241,7 +244,7 @@ class Client {
   Client(const std::string& mode, const std::string& address, int64_t t,
          const RequestShape& shape, uint64_t seed)
       : raw_(mode == "raw"), shm_(mode == "shm"), shm_channel_(mode == "channel"),
-        ping_(mode == "ping"), stream_(mode == "stream"),
+        ping_(mode == "ping"), stream_(mode == "stream"), tcp_(mode == "tcp"),
         channel_(NewChannel(address)),
         stub_(v1::ExpertShard::NewStub(channel_)),
         shm_stub_(v1::SharedMemoryShard::NewStub(channel_)) {
@@ -269,6 +272,13 @@ class Client {
         r.mutable_output()->set_offset(payload_.size());
         r.mutable_output()->set_length(payload_.size());
       }
+    } else if (tcp_) {
+      absl::StatusOr<std::unique_ptr<TcpChannel>> c = TcpChannel::Open(channel_.get(), "127.0.0.1");
+      if (!c.ok()) {
+        std::fprintf(stderr, "rpc_bench: tcp channel: %s\n", c.status().ToString().c_str());
+        std::exit(1);
+      }
+      tcp_channel_ = *std::move(c);
     } else if (!raw_) {
       for (const v1::ForwardRequest& header : headers_) {
         v1::ForwardRequest& full = fulls_.emplace_back(header);
@@ -322,6 +332,14 @@ class Client {
       grpc::Status s = shm_stub_->Forward(&ctx, shm_requests_[v], &response);
       if (!s.ok()) return absl::UnknownError(absl::StrCat(s.error_code(), ": ", s.error_message()));
       return absl::OkStatus();
+    }
+    if (tcp_) {
+      output_.resize(payload_.size());
+      absl::StatusOr<v1::ForwardResponse> r = tcp_channel_->Forward(
+          headers_[v], payload_,
+          absl::Span<uint8_t>(reinterpret_cast<uint8_t*>(output_.data()), output_.size()),
+          absl::Seconds(60));
+      return r.status();
     }
     if (raw_) {
       // The output lands in the caller's own buffer (what a frontend does with its next layer's
@@ -383,9 +401,10 @@ class Client {
     }
   }
 
-  const bool raw_, shm_, shm_channel_, ping_, stream_;
+  const bool raw_, shm_, shm_channel_, ping_, stream_, tcp_;
   std::unique_ptr<ShmChannel> shm_channel_client_;
-  std::string output_;  // raw mode: the caller's output buffer, reused
+  std::unique_ptr<TcpChannel> tcp_channel_;
+  std::string output_;  // raw and tcp modes: the caller's output buffer, reused
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::ExpertShard::Stub> stub_;
   std::unique_ptr<v1::SharedMemoryShard::Stub> shm_stub_;

@@ -33,6 +33,11 @@ constexpr MethodRule kRules[] = {
     {"/moe.v1.SharedMemoryShard/RegisterSharedMemory", {false, Role::kFrontend}},
     {"/moe.v1.SharedMemoryShard/UnregisterSharedMemory", {false, Role::kFrontend}},
     {"/moe.v1.SharedMemoryShard/Forward", {false, Role::kFrontend}},
+    {"/moe.v1.SharedMemoryShard/OpenChannel", {false, Role::kFrontend}},
+    {"/moe.v1.SharedMemoryShard/CloseChannel", {false, Role::kFrontend}},
+    {"/moe.v1.SharedMemoryShard/ForwardCuda", {false, Role::kFrontend}},
+    // The direct TCP channel (tcp.proto): its ticket carries this call's authorization.
+    {"/moe.v1.TcpChannelShard/OpenTcpChannel", {false, Role::kFrontend}},
     {"/moe.v1.Coordinator/GetClusterMap", {false, Role::kFrontend}},
     {"/moe.v1.Coordinator/WatchClusterMap", {false, Role::kFrontend}},
     {"/moe.v1.Coordinator/GetLoadStats", {false, Role::kFrontend}},

@@ -30,6 +30,15 @@ absl::StatusOr<std::unique_ptr<InProcessShard>> InProcessShard::Start(
   shard->shm_ =
       std::make_unique<ShmForwardService>(shard->service_.get(), options.pin_shared_memory,
                                           options.forward_cuda_on_device);
+  if (options.tcp_channel) {
+    TcpChannelOptions tcp;
+    tcp.max_payload_bytes = options.max_message_bytes;
+    tcp.buffers = options.raw_buffers;
+    absl::StatusOr<std::unique_ptr<TcpChannelService>> started =
+        TcpChannelService::Start(shard->service_.get(), tcp);
+    if (!started.ok()) return started.status();
+    shard->tcp_ = *std::move(started);
+  }
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -38,6 +47,7 @@ absl::StatusOr<std::unique_ptr<InProcessShard>> InProcessShard::Start(
   builder.RegisterService(shard->service_.get());
   builder.RegisterService(shard->raw_.get());
   builder.RegisterService(shard->shm_.get());
+  if (shard->tcp_ != nullptr) builder.RegisterService(shard->tcp_.get());
   shard->server_ = builder.BuildAndStart();
   if (shard->server_ == nullptr || port == 0) {
     return absl::UnavailableError("in-process shard: cannot listen on 127.0.0.1");
@@ -49,6 +59,7 @@ absl::StatusOr<std::unique_ptr<InProcessShard>> InProcessShard::Start(
 
 InProcessShard::~InProcessShard() {
   if (server_ != nullptr) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  if (tcp_ != nullptr) tcp_->Stop();
 }
 
 }  // namespace moe

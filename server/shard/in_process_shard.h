@@ -1,7 +1,7 @@
-// InProcessShard: an expert shard (ExpertShardService, RawForwardService, ShmForwardService) served by a gRPC server
-// inside the calling process, standalone (every expert, map version 1), on 127.0.0.1 port 0.
-// For tests and benchmarks that want the real service without a child process
-// (bench/rpc_bench, raw_forward_test).
+// InProcessShard: an expert shard (ExpertShardService, RawForwardService, ShmForwardService,
+// TcpChannelService) served by a gRPC server inside the calling process, standalone (every
+// expert, map version 1), on 127.0.0.1 port 0. For tests and benchmarks that want the real
+// service without a child process (bench/rpc_bench, raw_forward_test, tcp_channel_test).
 //
 // Thread-safety: the accessors are const after Start; the server serves concurrently.
 // Ownership: owns the weight source, backend, services and server; the destructor shuts the
@@ -21,6 +21,7 @@
 #include "server/shard/raw_forward.h"
 #include "server/shard/service.h"
 #include "server/shard/shm_forward.h"
+#include "server/shard/tcp_channel.h"
 
 namespace moe {
 
@@ -38,6 +39,8 @@ struct InProcessShardOptions {
   bool forward_cuda_on_device = true;
   // ForwardRaw's reused payload and output buffers (RawForwardService).
   HostBufferPoolOptions raw_buffers;
+  // Also serve direct TCP channels (TcpChannelService) on 127.0.0.1, port 0.
+  bool tcp_channel = true;
 };
 
 class InProcessShard {
@@ -50,6 +53,8 @@ class InProcessShard {
   const ServedModel& model() const { return source_->model(); }
   ExpertShardService& service() { return *service_; }
   ShmForwardService& shm() { return *shm_; }
+  // Null unless InProcessShardOptions::tcp_channel.
+  TcpChannelService* tcp() { return tcp_.get(); }
   // The backend the shard runs its batches on (benchmarks read its counters).
   const ExpertBackend& backend() const { return *backend_; }
 
@@ -61,6 +66,7 @@ class InProcessShard {
   std::unique_ptr<ExpertShardService> service_;
   std::unique_ptr<RawForwardService> raw_;
   std::unique_ptr<ShmForwardService> shm_;
+  std::unique_ptr<TcpChannelService> tcp_;
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
 };

@@ -27,6 +27,7 @@
 #include "server/shard/raw_forward.h"
 #include "server/shard/service.h"
 #include "server/shard/shm_forward.h"
+#include "server/shard/tcp_channel.h"
 #include "server/shard/shard_metrics.h"
 
 ABSL_FLAG(std::string, model, "", "checkpoint directory: config.json + safetensors (required)");
@@ -59,8 +60,15 @@ ABSL_FLAG(bool, pin_shared_memory, true,
 ABSL_FLAG(bool, forward_cuda_on_device, true,
           "with --shared_memory and --backend cuda: ForwardCuda's F32/BF16 hidden states and "
           "output stay on the GPU (false: staged through host memory, as with a CPU backend)");
+ABSL_FLAG(bool, tcp_channel, false,
+          "also serve direct TCP request channels (moe.v1.TcpChannelShard): a frontend gets a "
+          "ticket over gRPC, then sends Forward frames over a socket of its own, without gRPC per "
+          "request; the data connection is not encrypted, even under --tls_cert");
+ABSL_FLAG(int, tcp_channel_port, 0,
+          "with --tcp_channel: the channel port on --host (0 picks a free one; clients learn it "
+          "from OpenTcpChannel)");
 ABSL_FLAG(int, raw_buffer_pool_mb, 256,
-          "ForwardRaw: MiB of idle payload and output buffers kept for reuse (a CUDA backend pins "
+          "ForwardRaw and TCP channels: MiB of idle payload and output buffers kept for reuse (a CUDA backend pins "
           "them once and moves them to and from the GPU without staging copies); 0 keeps none");
 ABSL_FLAG(std::string, metrics_port_file, "", "write the bound metrics port to this file");
 ABSL_FLAG(std::string, http_host, "127.0.0.1", "address the metrics HTTP endpoint listens on");
@@ -85,6 +93,8 @@ struct ShardOptions {
   HttpEndpointOptions metrics;
   AdmissionOptions admission;
   HostBufferPoolOptions raw_buffers;
+  bool tcp_channel = false;
+  int tcp_channel_port = 0;
 };
 
 ShardOptions OptionsFromFlags() {
@@ -104,6 +114,8 @@ ShardOptions OptionsFromFlags() {
   o.admission.max_inflight_total = absl::GetFlag(FLAGS_max_inflight_total);
   o.executor.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   o.executor.max_batch_wait = absl::Microseconds(absl::GetFlag(FLAGS_max_batch_wait_us));
+  o.tcp_channel = absl::GetFlag(FLAGS_tcp_channel);
+  o.tcp_channel_port = absl::GetFlag(FLAGS_tcp_channel_port);
   o.raw_buffers.max_idle_bytes =
       static_cast<size_t>(std::max(absl::GetFlag(FLAGS_raw_buffer_pool_mb), 0)) << 20;
   o.metrics = {absl::GetFlag(FLAGS_http_host), absl::GetFlag(FLAGS_metrics_port),
@@ -193,6 +205,23 @@ int Run(const ShardOptions& o) {
   ShmForwardService shm_forward(&service, absl::GetFlag(FLAGS_pin_shared_memory),
                                 absl::GetFlag(FLAGS_forward_cuda_on_device));
   if (absl::GetFlag(FLAGS_shared_memory)) builder.RegisterService(&shm_forward);
+  std::unique_ptr<TcpChannelService> tcp_channel;
+  if (o.tcp_channel) {
+    TcpChannelOptions tcp;
+    tcp.host = o.host;
+    tcp.port = o.tcp_channel_port;
+    tcp.buffers = o.raw_buffers;
+    absl::StatusOr<std::unique_ptr<TcpChannelService>> started =
+        TcpChannelService::Start(&service, tcp);
+    if (!started.ok()) {
+      LOG(ERROR) << started.status();
+      return 1;
+    }
+    tcp_channel = *std::move(started);
+    builder.RegisterService(tcp_channel.get());
+    LOG(INFO) << "tcp channels on " << o.host << ":" << tcp_channel->port()
+              << " (data connections are not encrypted)";
+  }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {
     LOG(ERROR) << "cannot listen on " << o.host << ":" << o.port;
@@ -266,6 +295,7 @@ int Run(const ShardOptions& o) {
   service.StartDraining();
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(o.drain_seconds)));
   shm_forward.CloseAllChannels();  // their threads call into `service`, which goes next
+  if (tcp_channel != nullptr) tcp_channel->Stop();  // as do these
   if (link) link->Stop();
   LOG(INFO) << "moe_shard stopped";
   return 0;

@@ -1,0 +1,208 @@
+#include "client/tcp_channel.h"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "moe/v1/tcp.grpc.pb.h"
+#include "server/common/tcp_channel_frame.h"
+
+namespace moe {
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+// A connected blocking TCP socket to host:port with TCP_NODELAY, within `deadline`.
+absl::StatusOr<int> Connect(const std::string& host, uint32_t port, absl::Time deadline) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (const int rc = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
+      rc != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("tcp channel: cannot resolve '", host, "': ", gai_strerror(rc)));
+  }
+  std::string error = "no address";
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
+                          a->ai_protocol);
+    if (fd < 0) continue;
+    int rc = connect(fd, a->ai_addr, a->ai_addrlen);
+    if (rc != 0 && errno == EINPROGRESS) {
+      pollfd p{fd, POLLOUT, 0};
+      const int64_t ms = std::max<int64_t>(absl::ToInt64Milliseconds(deadline - absl::Now()), 0);
+      int err = ETIMEDOUT;
+      socklen_t len = sizeof(err);
+      if (poll(&p, 1, static_cast<int>(std::min<int64_t>(ms, 600000))) == 1) {
+        getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+      }
+      rc = err == 0 ? 0 : -1;
+      errno = err;
+    }
+    if (rc == 0) {
+      freeaddrinfo(found);
+      fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+      const int one = 1;
+      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      return fd;
+    }
+    error = std::strerror(errno);
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return absl::UnavailableError(
+      absl::StrCat("tcp channel: cannot connect to ", host, ":", port, ": ", error));
+}
+
+// Reads a response's error message (prefix already read) and turns it into the status.
+absl::Status ReadError(int fd, const TcpFramePrefix& prefix, absl::Time deadline) {
+  if (prefix.header_len > kTcpMaxHeaderBytes || prefix.payload_len != 0 || prefix.word > 16) {
+    return absl::InternalError("tcp channel: malformed error response from the shard");
+  }
+  std::string message(prefix.header_len, '\0');
+  if (absl::Status s = ReadExactly(fd, message.data(), message.size(), deadline); !s.ok()) {
+    return s;
+  }
+  return absl::Status(static_cast<absl::StatusCode>(prefix.word), message);
+}
+
+// Reads and drops `n` bytes.
+absl::Status Discard(int fd, uint64_t n, absl::Time deadline) {
+  std::vector<uint8_t> sink(std::min<uint64_t>(n, uint64_t{1} << 20));
+  while (n > 0) {
+    const size_t take = static_cast<size_t>(std::min<uint64_t>(n, sink.size()));
+    if (absl::Status s = ReadExactly(fd, sink.data(), take, deadline); !s.ok()) return s;
+    n -= take;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TcpChannel>> TcpChannel::Open(grpc::ChannelInterface* channel,
+                                                             const std::string& host,
+                                                             absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  // The stub only borrows the channel.
+  v1::TcpChannelShard::Stub stub(
+      std::shared_ptr<grpc::ChannelInterface>(channel, [](grpc::ChannelInterface*) {}));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(deadline));
+  v1::OpenTcpChannelResponse opened;
+  if (grpc::Status s = stub.OpenTcpChannel(&ctx, v1::OpenTcpChannelRequest(), &opened); !s.ok()) {
+    if (s.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
+      return absl::UnavailableError(
+          "tcp channel: the shard does not serve TCP channels (moe_shard --tcp_channel)");
+    }
+    return FromGrpc(s);
+  }
+  if (opened.ticket().size() != kTcpChannelTicketBytes || opened.port() == 0 ||
+      opened.port() > 65535) {
+    return absl::InternalError("tcp channel: malformed OpenTcpChannel answer");
+  }
+  absl::StatusOr<int> fd = Connect(host, opened.port(), deadline);
+  if (!fd.ok()) return fd.status();
+  std::unique_ptr<TcpChannel> result(new TcpChannel(*fd));
+  char hello[kTcpHelloBytes];
+  std::memcpy(hello, kTcpChannelMagic, sizeof(kTcpChannelMagic));
+  std::memcpy(hello + sizeof(kTcpChannelMagic), opened.ticket().data(), kTcpChannelTicketBytes);
+  iovec iov{hello, sizeof(hello)};
+  if (absl::Status s = WriteAll(*fd, &iov, 1, deadline); !s.ok()) return s;
+  uint8_t raw[kTcpPrefixBytes];
+  if (absl::Status s = ReadExactly(*fd, raw, sizeof(raw), deadline); !s.ok()) return s;
+  const TcpFramePrefix prefix = DecodeTcpPrefix(raw);
+  if (prefix.word != 0) return ReadError(*fd, prefix, deadline);
+  if (prefix.header_len != 0 || prefix.payload_len != 0) {
+    return absl::InternalError("tcp channel: malformed hello answer from the shard");
+  }
+  return result;
+}
+
+TcpChannel::~TcpChannel() { close(fd_); }
+
+bool TcpChannel::broken() const {
+  absl::MutexLock lock(&mu_);
+  return broken_;
+}
+
+absl::StatusOr<v1::ForwardResponse> TcpChannel::Forward(const v1::ForwardRequest& header,
+                                                        absl::string_view hidden_payload,
+                                                        absl::Span<uint8_t> output,
+                                                        absl::Duration timeout) {
+  if (!header.hidden_states().data().data().empty()) {
+    return absl::InvalidArgumentError(
+        "hidden_states.data.data: must be empty (the payload travels beside the header)");
+  }
+  absl::MutexLock lock(&mu_);
+  if (broken_) {
+    return absl::UnavailableError("tcp channel: broken by an earlier failure; open a new one");
+  }
+  absl::StatusOr<v1::ForwardResponse> r =
+      ForwardLocked(header, hidden_payload, output, absl::Now() + timeout);
+  // Transfer failures (and a shard that cannot be understood) leave the stream out of step.
+  if (!r.ok() && (r.status().code() == absl::StatusCode::kUnavailable ||
+                  r.status().code() == absl::StatusCode::kDeadlineExceeded ||
+                  r.status().code() == absl::StatusCode::kInternal)) {
+    broken_ = true;
+  }
+  return r;
+}
+
+absl::StatusOr<v1::ForwardResponse> TcpChannel::ForwardLocked(const v1::ForwardRequest& header,
+                                                              absl::string_view hidden_payload,
+                                                              absl::Span<uint8_t> output,
+                                                              absl::Time deadline) {
+  if (!header.SerializeToString(&scratch_)) {
+    return absl::InvalidArgumentError("tcp channel: request header does not serialize");
+  }
+  if (scratch_.size() > kTcpMaxHeaderBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("tcp channel: request header of ",
+                                                   scratch_.size(), " bytes exceeds ",
+                                                   kTcpMaxHeaderBytes));
+  }
+  uint8_t raw[kTcpPrefixBytes];
+  EncodeTcpPrefix({kTcpRequestMagic, static_cast<uint32_t>(scratch_.size()), hidden_payload.size()},
+                  raw);
+  iovec iov[3] = {{raw, sizeof(raw)},
+                  {scratch_.data(), scratch_.size()},
+                  {const_cast<char*>(hidden_payload.data()), hidden_payload.size()}};
+  if (absl::Status s = WriteAll(fd_, iov, 3, deadline); !s.ok()) return s;
+  if (absl::Status s = ReadExactly(fd_, raw, sizeof(raw), deadline); !s.ok()) return s;
+  const TcpFramePrefix prefix = DecodeTcpPrefix(raw);
+  if (prefix.word != 0) return ReadError(fd_, prefix, deadline);
+  if (prefix.header_len > kTcpMaxHeaderBytes) {
+    return absl::InternalError("tcp channel: response header over the limit");
+  }
+  scratch_.resize(prefix.header_len);
+  if (absl::Status s = ReadExactly(fd_, scratch_.data(), scratch_.size(), deadline); !s.ok()) {
+    return s;
+  }
+  v1::ForwardResponse response;
+  if (!response.ParseFromString(scratch_)) {
+    return absl::InternalError("tcp channel: response header does not parse");
+  }
+  if (prefix.payload_len != output.size()) {
+    if (absl::Status s = Discard(fd_, prefix.payload_len, deadline); !s.ok()) return s;
+    return absl::InvalidArgumentError(absl::StrCat("output: buffer of ", output.size(),
+                                                   " bytes, the answer has ", prefix.payload_len));
+  }
+  if (absl::Status s = ReadExactly(fd_, output.data(), output.size(), deadline); !s.ok()) return s;
+  return response;
+}
+
+}  // namespace moe

@@ -1,0 +1,73 @@
+// Client end of a direct TCP request channel (proto/moe/v1/tcp.proto, frames in
+// server/common/tcp_channel_frame.h). Open() asks the shard for a ticket over gRPC (with the
+// channel's credentials and deadline), connects a socket of its own to the shard's channel port
+// and presents the ticket; Forward() then sends a ForwardRequest header and the hidden-state
+// bytes as one frame and reads the answer's output bytes straight into the caller's buffer. No
+// gRPC call per request: for decode steps of a frontend on another machine, where gRPC's own
+// cost is several TCP round trips.
+//
+// Thread-safety: Forward calls on one channel are serialized (one request in flight); use one
+// channel per frontend thread. A transfer error or a missed deadline breaks the channel (the
+// stream position is lost): later calls return UNAVAILABLE and the caller opens a new one.
+// Ownership: owns the socket.
+#ifndef MOE_CLIENT_TCP_CHANNEL_H_
+#define MOE_CLIENT_TCP_CHANNEL_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "grpcpp/grpcpp.h"
+#include "moe/v1/shard.pb.h"
+
+namespace moe {
+
+class TcpChannel {
+ public:
+  // `channel` reaches the shard's gRPC port; `host` is the shard's host as this machine reaches
+  // it (the channel port is on the same host). `timeout` bounds the ticket call, the connect and
+  // the hello. UNAVAILABLE when the shard does not serve TCP channels (moe_shard --tcp_channel)
+  // or cannot be reached; the shard's refusal otherwise.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<TcpChannel>> Open(
+      grpc::ChannelInterface* channel, const std::string& host,
+      absl::Duration timeout = absl::Seconds(10));
+  ~TcpChannel();
+  TcpChannel(const TcpChannel&) = delete;
+  TcpChannel& operator=(const TcpChannel&) = delete;
+
+  // Sends `header` (a ForwardRequest whose hidden_states.data has dtype and shape but no data)
+  // and `hidden_payload` (those bytes); the output bytes land in `output`, whose size must equal
+  // the output's byte count (INVALID_ARGUMENT otherwise, `output` untouched, the channel still
+  // usable). Returns the response header, or the shard's status.
+  absl::StatusOr<v1::ForwardResponse> Forward(const v1::ForwardRequest& header,
+                                              absl::string_view hidden_payload,
+                                              absl::Span<uint8_t> output,
+                                              absl::Duration timeout = absl::Seconds(30))
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Whether an earlier failure broke the channel.
+  bool broken() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  explicit TcpChannel(int fd) : fd_(fd) {}
+  absl::StatusOr<v1::ForwardResponse> ForwardLocked(const v1::ForwardRequest& header,
+                                                    absl::string_view hidden_payload,
+                                                    absl::Span<uint8_t> output,
+                                                    absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const int fd_;
+  mutable absl::Mutex mu_;
+  bool broken_ ABSL_GUARDED_BY(mu_) = false;
+  std::string scratch_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace moe
+
+#endif  // MOE_CLIENT_TCP_CHANNEL_H_

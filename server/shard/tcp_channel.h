@@ -1,0 +1,107 @@
+// TcpChannelService: the shard's end of direct TCP request channels (proto/moe/v1/tcp.proto,
+// frames in server/common/tcp_channel_frame.h). OpenTcpChannel (a gRPC call, so it passes the
+// shard's TLS and authentication) hands out a single-use ticket; the frontend then connects to
+// the channel port, presents the ticket, and sends Forward requests as frames. A thread per
+// connection reads each request's payload straight into a pooled host buffer the backend has
+// registered (HostBufferPool), runs it through ExpertShardService::ServeForward (the same
+// validation, batching, load counting and metrics as Forward) with the output written into
+// another pooled buffer, and sends the answer with one gathered write. Per request that is a TCP
+// round trip and the bytes, without HTTP/2 framing, protobuf copies of tensors or gRPC's thread
+// hand-offs.
+//
+// Everything a connection sends is untrusted: lengths are bounded before anything is allocated,
+// a frame that cannot be parsed ends its connection with an error response, a request that fails
+// validation gets the error and the connection keeps serving.
+//
+// Thread-safety: OpenTcpChannel runs on gRPC threads; Stop may be called from any thread.
+// Ownership: borrows `shard` (must outlive the service); owns the listening socket, the
+// connections and their threads.
+#ifndef MOE_SERVER_SHARD_TCP_CHANNEL_H_
+#define MOE_SERVER_SHARD_TCP_CHANNEL_H_
+
+#include <atomic>
+#include <cstdint>
+#include <list>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "moe/v1/tcp.grpc.pb.h"
+#include "server/shard/host_buffer_pool.h"
+#include "server/shard/service.h"
+
+namespace moe {
+
+struct TcpChannelOptions {
+  std::string host = "127.0.0.1";  // address the channel port binds
+  int port = 0;                    // 0 picks a free one (port())
+  int64_t max_payload_bytes = int64_t{256} << 20;  // per request (the gRPC message limit)
+  absl::Duration ticket_ttl = absl::Seconds(30);
+  size_t max_connections = 256;  // each holds a thread
+  // Once a frame's prefix has arrived, the rest of it must within this time (a stalled sender
+  // cannot hold a connection's buffers forever).
+  absl::Duration frame_timeout = absl::Seconds(60);
+  HostBufferPoolOptions buffers;
+};
+
+class TcpChannelService final : public v1::TcpChannelShard::Service {
+ public:
+  // Binds and listens; UNAVAILABLE naming the address when it cannot.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<TcpChannelService>> Start(
+      ExpertShardService* shard, TcpChannelOptions options);
+  ~TcpChannelService() override { Stop(); }
+  TcpChannelService(const TcpChannelService&) = delete;
+  TcpChannelService& operator=(const TcpChannelService&) = delete;
+
+  int port() const { return port_; }
+  // Requests answered over every connection so far.
+  uint64_t served() const { return served_.load(); }
+  // Connections open now.
+  size_t open_connections() const ABSL_LOCKS_EXCLUDED(mu_);
+  HostBufferPoolStats buffer_stats() const { return pool_.stats(); }
+
+  grpc::Status OpenTcpChannel(grpc::ServerContext* ctx, const v1::OpenTcpChannelRequest* request,
+                              v1::OpenTcpChannelResponse* response) override;
+
+  // Stops accepting, closes every connection (a request being served finishes first) and joins
+  // the threads. Idempotent.
+  void Stop() ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Connection {
+    int fd = -1;
+    std::thread thread;
+    bool done = false;  // the thread has finished (join it)
+  };
+
+  TcpChannelService(ExpertShardService* shard, TcpChannelOptions options, int listener, int port);
+  void AcceptLoop();
+  void Serve(Connection* connection);
+  // Checks the hello; the error is sent to the peer and ends the connection.
+  absl::Status Hello(int fd);
+  // Serves one request; an error return (I/O, framing) ends the connection.
+  absl::Status ServeOne(int fd);
+  // Joins finished connection threads.
+  void Reap() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  ExpertShardService* const shard_;
+  const TcpChannelOptions options_;
+  const int listener_;
+  const int port_;
+  HostBufferPool pool_;
+  std::atomic<uint64_t> served_{0};
+  mutable absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::list<Connection> connections_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, absl::Time> tickets_ ABSL_GUARDED_BY(mu_);  // ticket -> expiry
+  std::thread acceptor_;
+};
+
+}  // namespace moe
+
+#endif  // MOE_SERVER_SHARD_TCP_CHANNEL_H_
