@@ -17,6 +17,18 @@ namespace {
 
 constexpr int kMaxMessageBytes = 256 << 20;
 
+// "host:port" -> "host", "[v6]:port" -> "v6" (a TCP channel connects to the same host).
+std::string HostOf(const std::string& address) {
+  if (!address.empty() && address.front() == '[') {
+    const size_t close = address.find(']');
+    if (close != std::string::npos) return address.substr(1, close - 1);
+  }
+  const size_t colon = address.rfind(':');
+  // One colon: host:port. More (a bare IPv6 address) or none: no port to strip.
+  if (colon != std::string::npos && address.find(':') == colon) return address.substr(0, colon);
+  return address;
+}
+
 // Longest pause between two attempts of a Forward (a shard that went down is removed from the
 // map within a few heartbeat intervals; polling the map faster than that gains nothing).
 constexpr absl::Duration kMaxRetryPause = absl::Milliseconds(50);
@@ -170,10 +182,45 @@ MoeClient::ShardStubs* MoeClient::ShardStub(const std::string& address) {
     std::shared_ptr<grpc::Channel> channel =
         MakeChannel(address, options_.security.value_or(DefaultChannelSecurity()));
     stubs = std::make_unique<ShardStubs>();
+    stubs->channel = channel;
     stubs->stub = v1::ExpertShard::NewStub(channel);
     stubs->raw = std::make_unique<grpc::GenericStub>(channel);
+    stubs->host = HostOf(address);
   }
   return stubs.get();
+}
+
+std::unique_ptr<TcpChannel> MoeClient::TakeTcpChannel(ShardStubs* stubs, absl::Time deadline,
+                                                      absl::Status* error) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stubs->no_tcp) {
+      *error = absl::UnimplementedError("the shard does not serve TCP channels");
+      return nullptr;
+    }
+    if (!stubs->idle_tcp.empty()) {
+      std::unique_ptr<TcpChannel> c = std::move(stubs->idle_tcp.back());
+      stubs->idle_tcp.pop_back();
+      return c;
+    }
+  }
+  absl::StatusOr<std::unique_ptr<TcpChannel>> opened = TcpChannel::Open(
+      stubs->channel.get(), stubs->host, std::max(deadline - absl::Now(), absl::ZeroDuration()));
+  if (opened.ok()) return *std::move(opened);
+  *error = opened.status();
+  if (error->code() == absl::StatusCode::kUnimplemented) {
+    absl::MutexLock lock(&mu_);
+    stubs->no_tcp = true;
+  }
+  return nullptr;
+}
+
+void MoeClient::ReturnTcpChannel(ShardStubs* stubs, std::unique_ptr<TcpChannel> channel) {
+  // More idle channels than concurrent callers ever needed would only hold shard threads.
+  constexpr size_t kMaxIdlePerShard = 16;
+  if (channel == nullptr || channel->broken()) return;
+  absl::MutexLock lock(&mu_);
+  if (stubs->idle_tcp.size() < kMaxIdlePerShard) stubs->idle_tcp.push_back(std::move(channel));
 }
 
 absl::Status MoeClient::RouteLogits(const RoutingParams& params, const TensorView& logits,

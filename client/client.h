@@ -27,6 +27,7 @@
 #include "kernels/routing.h"
 #include "kernels/tensor.h"
 #include "moe/v1/coordinator.grpc.pb.h"
+#include "client/tcp_channel.h"
 #include "moe/v1/shard.grpc.pb.h"
 #include "server/common/tls.h"
 
@@ -55,6 +56,12 @@ struct ForwardOptions {
   // (ExpertShard/ForwardRaw, server/common/raw_frame.h) instead of protobuf `bytes`: no protobuf
   // copy of the tensors on either side. Same validation and errors as Forward.
   bool raw_transport = true;
+  // Send each shard's request over a direct TCP channel instead (tcp.proto, moe_shard
+  // --tcp_channel): a socket per shard and request in flight, opened on first use and kept, with
+  // no gRPC call per request (a decode step's transport then costs about a TCP round trip). The
+  // requests go out to every shard before the first answer is read, so the shards work in
+  // parallel. A shard that does not serve TCP channels gets the gRPC call above instead.
+  bool tcp_channel = false;
 };
 
 struct ForwardResult {
@@ -102,10 +109,21 @@ class MoeClient {
   absl::Status InstallMap(const v1::ClusterMap& map);
   std::shared_ptr<const MapState> map_state() const;
   struct ShardStubs {
+    std::shared_ptr<grpc::Channel> channel;
     std::unique_ptr<v1::ExpertShard::Stub> stub;
     std::unique_ptr<grpc::GenericStub> raw;  // ForwardRaw frames on the same channel
+    std::string host;                        // the address without its port
+    // Open TCP channels not in use (ForwardOptions::tcp_channel), guarded by mu_.
+    std::vector<std::unique_ptr<TcpChannel>> idle_tcp;
+    bool no_tcp = false;  // the shard answered that it does not serve TCP channels
   };
   ShardStubs* ShardStub(const std::string& address);
+  // An idle TCP channel to the shard, or a new one; null with *error set when none could be
+  // opened (UNIMPLEMENTED: the shard does not serve them, and is not asked again).
+  std::unique_ptr<TcpChannel> TakeTcpChannel(ShardStubs* stubs, absl::Time deadline,
+                                             absl::Status* error);
+  // Keeps `channel` for the next request unless it is broken (or enough are idle).
+  void ReturnTcpChannel(ShardStubs* stubs, std::unique_ptr<TcpChannel> channel);
   absl::StatusOr<ForwardResult> ForwardOnce(const MapState& state, int layer,
                                             const TensorView& hidden, const TensorView& topk_ids,
                                             const TensorView& topk_weights,

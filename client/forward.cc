@@ -80,8 +80,16 @@ struct MoeClient::ShardCall {
   grpc::ClientContext ctx;
   v1::ForwardRequest request;
   v1::ForwardResponse response;
-  grpc::ByteBuffer raw_request, raw_response;  // ForwardOptions::raw_transport
-  grpc::Status status;
+  // How the request travels: protobuf Forward, ForwardRaw frames, a TCP channel, or not at all
+  // (no TCP channel could be opened to a shard that serves them: `status` says why).
+  enum class Via { kProto, kRaw, kTcp, kUnreached } via = Via::kProto;
+  ShardStubs* stubs = nullptr;
+  grpc::ByteBuffer raw_request, raw_response;  // kRaw
+  // kTcp: the channel (back to the pool after the answer), the hidden-state bytes sent beside
+  // the header, the output bytes.
+  std::unique_ptr<TcpChannel> tcp;
+  std::string tcp_payload, tcp_output;
+  absl::Status status;
 };
 
 absl::StatusOr<ForwardResult> MoeClient::ForwardOnce(
@@ -146,9 +154,24 @@ absl::StatusOr<ForwardResult> MoeClient::ForwardOnce(
       for (int64_t i = 0; i < n; ++i) mask[i] = plan->shared_rank[call->tokens[i]] == rank;
       SetTensor(req.mutable_shared_mask(), DType::kBool, {n}, std::move(mask));
     }
-    if (options.raw_transport) {
+    call->stubs = ShardStub(map.shards(rank).address());
+    if (options.tcp_channel) {
+      absl::Status no_channel;
+      call->tcp = TakeTcpChannel(call->stubs, deadline, &no_channel);
+      if (call->tcp != nullptr) {
+        call->via = ShardCall::Via::kTcp;
+        call->tcp_payload = std::move(*req.mutable_hidden_states()->mutable_data()->mutable_data());
+        req.mutable_hidden_states()->mutable_data()->clear_data();
+      } else if (no_channel.code() != absl::StatusCode::kUnimplemented) {
+        call->via = ShardCall::Via::kUnreached;  // answered below; the caller retries
+        call->status = no_channel;
+      }
+    }
+    if (call->via == ShardCall::Via::kProto && (options.raw_transport || options.tcp_channel)) {
+      call->via = ShardCall::Via::kRaw;
       // The hidden-state bytes leave the message and travel as their own slice (owned by it).
-      auto* payload = new std::string(std::move(*req.mutable_hidden_states()->mutable_data()->mutable_data()));
+      auto* payload =
+          new std::string(std::move(*req.mutable_hidden_states()->mutable_data()->mutable_data()));
       req.mutable_hidden_states()->mutable_data()->clear_data();
       call->raw_request = EncodeRawFrame(
           req, grpc::Slice(payload->data(), payload->size(), &DeleteString, payload));
@@ -156,19 +179,41 @@ absl::StatusOr<ForwardResult> MoeClient::ForwardOnce(
     call->ctx.set_deadline(absl::ToChronoTime(deadline));
     calls.push_back(std::move(call));
   }
-  absl::BlockingCounter pending(static_cast<int>(calls.size()));
+  // gRPC calls first (they run on gRPC's threads), then every TCP request out before the first
+  // answer is read: all shards work at once.
+  int grpc_calls = 0;
   for (auto& call : calls) {
-    ShardStubs* stubs = ShardStub(map.shards(call->rank).address());
+    grpc_calls += call->via == ShardCall::Via::kProto || call->via == ShardCall::Via::kRaw;
+  }
+  absl::BlockingCounter pending(grpc_calls);
+  for (auto& call : calls) {
     auto done = [&pending, c = call.get()](grpc::Status s) {
-      c->status = std::move(s);
+      c->status = FromGrpcStatus(s);
       pending.DecrementCount();
     };
-    if (options.raw_transport) {
-      stubs->raw->UnaryCall(&call->ctx, kForwardRawMethod, grpc::StubOptions(), &call->raw_request,
-                            &call->raw_response, std::move(done));
-    } else {
-      stubs->stub->async()->Forward(&call->ctx, &call->request, &call->response, std::move(done));
+    if (call->via == ShardCall::Via::kRaw) {
+      call->stubs->raw->UnaryCall(&call->ctx, kForwardRawMethod, grpc::StubOptions(),
+                                  &call->raw_request, &call->raw_response, std::move(done));
+    } else if (call->via == ShardCall::Via::kProto) {
+      call->stubs->stub->async()->Forward(&call->ctx, &call->request, &call->response,
+                                          std::move(done));
     }
+  }
+  for (auto& call : calls) {
+    if (call->via != ShardCall::Via::kTcp) continue;
+    call->status = call->tcp->Send(call->request, call->tcp_payload, deadline);
+  }
+  for (auto& call : calls) {
+    if (call->via != ShardCall::Via::kTcp) continue;
+    if (call->status.ok()) {
+      absl::StatusOr<v1::ForwardResponse> r = call->tcp->Receive(&call->tcp_output, deadline);
+      if (r.ok()) {
+        call->response = *std::move(r);
+      } else {
+        call->status = r.status();
+      }
+    }
+    ReturnTcpChannel(call->stubs, std::move(call->tcp));
   }
   pending.Wait();
   ForwardResult result;
@@ -177,27 +222,24 @@ absl::StatusOr<ForwardResult> MoeClient::ForwardOnce(
   result.shards_called = static_cast<int>(calls.size());
   for (auto& call : calls) {
     if (!call->status.ok()) {
-      absl::Status s = FromGrpcStatus(call->status);
-      return absl::Status(s.code(),
+      return absl::Status(call->status.code(),
                           absl::StrCat("shard ", call->rank, " (", map.shards(call->rank).address(),
-                                       "): ", s.message()));
+                                       "): ", call->status.message()));
     }
-    if (options.raw_transport) {
-      RawPayload output;
+    std::optional<absl::string_view> payload;
+    RawPayload output;
+    if (call->via == ShardCall::Via::kRaw) {
       if (absl::Status s = DecodeRawFrame(call->raw_response, &call->response, &output); !s.ok()) {
         return absl::InternalError(absl::StrCat("shard ", call->rank, " (",
                                                 map.shards(call->rank).address(),
                                                 "): bad ForwardRaw response: ", s.message()));
       }
-      if (absl::Status s = Accumulate(call->response.output(), call->tokens, h,
-                                      result.output.data<float>(), output.Contiguous());
-          !s.ok()) {
-        return s;
-      }
-      continue;
+      payload = output.Contiguous();
+    } else if (call->via == ShardCall::Via::kTcp) {
+      payload = call->tcp_output;
     }
-    if (absl::Status s =
-            Accumulate(call->response.output(), call->tokens, h, result.output.data<float>());
+    if (absl::Status s = Accumulate(call->response.output(), call->tokens, h,
+                                    result.output.data<float>(), payload);
         !s.ok()) {
       return s;
     }

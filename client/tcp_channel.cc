@@ -21,6 +21,9 @@
 namespace moe {
 namespace {
 
+// Largest answer Receive takes into a string (the shards' message limit is 256 MiB).
+constexpr uint64_t kMaxReceiveBytes = uint64_t{1} << 30;
+
 absl::Status FromGrpc(const grpc::Status& s) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
@@ -106,7 +109,7 @@ absl::StatusOr<std::unique_ptr<TcpChannel>> TcpChannel::Open(grpc::ChannelInterf
   v1::OpenTcpChannelResponse opened;
   if (grpc::Status s = stub.OpenTcpChannel(&ctx, v1::OpenTcpChannelRequest(), &opened); !s.ok()) {
     if (s.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
-      return absl::UnavailableError(
+      return absl::UnimplementedError(
           "tcp channel: the shard does not serve TCP channels (moe_shard --tcp_channel)");
     }
     return FromGrpc(s);
@@ -140,33 +143,78 @@ bool TcpChannel::broken() const {
   return broken_;
 }
 
+namespace {
+
+bool BreaksTheStream(const absl::Status& s) {
+  return s.code() == absl::StatusCode::kUnavailable ||
+         s.code() == absl::StatusCode::kDeadlineExceeded ||
+         s.code() == absl::StatusCode::kInternal;
+}
+
+const absl::Status& StatusOf(const absl::Status& s) { return s; }
+template <typename T>
+const absl::Status& StatusOf(const absl::StatusOr<T>& s) {
+  return s.status();
+}
+
+}  // namespace
+
+template <typename T>
+T TcpChannel::Checked(T result) {
+  if (BreaksTheStream(StatusOf(result))) broken_ = true;
+  return result;
+}
+
 absl::StatusOr<v1::ForwardResponse> TcpChannel::Forward(const v1::ForwardRequest& header,
                                                         absl::string_view hidden_payload,
                                                         absl::Span<uint8_t> output,
                                                         absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s = Checked(SendLocked(header, hidden_payload, deadline)); !s.ok()) return s;
+  return Checked(ReceiveLocked(
+      [output](uint64_t bytes) -> absl::StatusOr<absl::Span<uint8_t>> {
+        if (bytes == output.size()) return output;
+        return absl::InvalidArgumentError(
+            absl::StrCat("output: buffer of ", output.size(), " bytes, the answer has ", bytes));
+      },
+      deadline));
+}
+
+absl::Status TcpChannel::Send(const v1::ForwardRequest& header, absl::string_view hidden_payload,
+                              absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  return Checked(SendLocked(header, hidden_payload, deadline));
+}
+
+absl::StatusOr<v1::ForwardResponse> TcpChannel::Receive(std::string* output,
+                                                        absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  return Checked(ReceiveLocked(
+      [output](uint64_t bytes) -> absl::StatusOr<absl::Span<uint8_t>> {
+        if (bytes > kMaxReceiveBytes) {
+          return absl::ResourceExhaustedError(
+              absl::StrCat("tcp channel: an answer of ", bytes, " bytes is over the client's ",
+                           kMaxReceiveBytes, "-byte limit"));
+        }
+        output->resize(bytes);
+        return absl::Span<uint8_t>(reinterpret_cast<uint8_t*>(output->data()), bytes);
+      },
+      deadline));
+}
+
+absl::Status TcpChannel::SendLocked(const v1::ForwardRequest& header,
+                                    absl::string_view hidden_payload, absl::Time deadline) {
+  if (broken_) {
+    return absl::UnavailableError("tcp channel: broken by an earlier failure; open a new one");
+  }
+  if (awaiting_) {
+    return absl::FailedPreconditionError("tcp channel: the previous answer was not received");
+  }
   if (!header.hidden_states().data().data().empty()) {
     return absl::InvalidArgumentError(
         "hidden_states.data.data: must be empty (the payload travels beside the header)");
   }
-  absl::MutexLock lock(&mu_);
-  if (broken_) {
-    return absl::UnavailableError("tcp channel: broken by an earlier failure; open a new one");
-  }
-  absl::StatusOr<v1::ForwardResponse> r =
-      ForwardLocked(header, hidden_payload, output, absl::Now() + timeout);
-  // Transfer failures (and a shard that cannot be understood) leave the stream out of step.
-  if (!r.ok() && (r.status().code() == absl::StatusCode::kUnavailable ||
-                  r.status().code() == absl::StatusCode::kDeadlineExceeded ||
-                  r.status().code() == absl::StatusCode::kInternal)) {
-    broken_ = true;
-  }
-  return r;
-}
-
-absl::StatusOr<v1::ForwardResponse> TcpChannel::ForwardLocked(const v1::ForwardRequest& header,
-                                                              absl::string_view hidden_payload,
-                                                              absl::Span<uint8_t> output,
-                                                              absl::Time deadline) {
   if (!header.SerializeToString(&scratch_)) {
     return absl::InvalidArgumentError("tcp channel: request header does not serialize");
   }
@@ -182,6 +230,18 @@ absl::StatusOr<v1::ForwardResponse> TcpChannel::ForwardLocked(const v1::ForwardR
                   {scratch_.data(), scratch_.size()},
                   {const_cast<char*>(hidden_payload.data()), hidden_payload.size()}};
   if (absl::Status s = WriteAll(fd_, iov, 3, deadline); !s.ok()) return s;
+  awaiting_ = true;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::ForwardResponse> TcpChannel::ReceiveLocked(const OutputSink& sink,
+                                                              absl::Time deadline) {
+  if (broken_) {
+    return absl::UnavailableError("tcp channel: broken by an earlier failure; open a new one");
+  }
+  if (!awaiting_) return absl::FailedPreconditionError("tcp channel: no request was sent");
+  awaiting_ = false;
+  uint8_t raw[kTcpPrefixBytes];
   if (absl::Status s = ReadExactly(fd_, raw, sizeof(raw), deadline); !s.ok()) return s;
   const TcpFramePrefix prefix = DecodeTcpPrefix(raw);
   if (prefix.word != 0) return ReadError(fd_, prefix, deadline);
@@ -196,12 +256,14 @@ absl::StatusOr<v1::ForwardResponse> TcpChannel::ForwardLocked(const v1::ForwardR
   if (!response.ParseFromString(scratch_)) {
     return absl::InternalError("tcp channel: response header does not parse");
   }
-  if (prefix.payload_len != output.size()) {
+  absl::StatusOr<absl::Span<uint8_t>> output = sink(prefix.payload_len);
+  if (!output.ok()) {
     if (absl::Status s = Discard(fd_, prefix.payload_len, deadline); !s.ok()) return s;
-    return absl::InvalidArgumentError(absl::StrCat("output: buffer of ", output.size(),
-                                                   " bytes, the answer has ", prefix.payload_len));
+    return output.status();
   }
-  if (absl::Status s = ReadExactly(fd_, output.data(), output.size(), deadline); !s.ok()) return s;
+  if (absl::Status s = ReadExactly(fd_, output->data(), output->size(), deadline); !s.ok()) {
+    return s;
+  }
   return response;
 }
 

@@ -14,6 +14,7 @@
 #define MOE_CLIENT_TCP_CHANNEL_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -32,8 +33,8 @@ class TcpChannel {
  public:
   // `channel` reaches the shard's gRPC port; `host` is the shard's host as this machine reaches
   // it (the channel port is on the same host). `timeout` bounds the ticket call, the connect and
-  // the hello. UNAVAILABLE when the shard does not serve TCP channels (moe_shard --tcp_channel)
-  // or cannot be reached; the shard's refusal otherwise.
+  // the hello. UNIMPLEMENTED when the shard does not serve TCP channels (moe_shard
+  // --tcp_channel), UNAVAILABLE when it cannot be reached; the shard's refusal otherwise.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<TcpChannel>> Open(
       grpc::ChannelInterface* channel, const std::string& host,
       absl::Duration timeout = absl::Seconds(10));
@@ -51,20 +52,34 @@ class TcpChannel {
                                               absl::Duration timeout = absl::Seconds(30))
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Forward in two halves, so that one thread can have requests in flight on several shards'
+  // channels at once (send to each, then receive from each): Send, then Receive, alternately
+  // (FAILED_PRECONDITION otherwise). Receive stores the output bytes in `output` (resized) and
+  // returns the response header or the shard's status.
+  absl::Status Send(const v1::ForwardRequest& header, absl::string_view hidden_payload,
+                    absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<v1::ForwardResponse> Receive(std::string* output, absl::Time deadline)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   // Whether an earlier failure broke the channel.
   bool broken() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   explicit TcpChannel(int fd) : fd_(fd) {}
-  absl::StatusOr<v1::ForwardResponse> ForwardLocked(const v1::ForwardRequest& header,
-                                                    absl::string_view hidden_payload,
-                                                    absl::Span<uint8_t> output,
-                                                    absl::Time deadline)
+  // Where the output bytes go, given their count (an error leaves them unread: they are drained).
+  using OutputSink = std::function<absl::StatusOr<absl::Span<uint8_t>>(uint64_t bytes)>;
+  absl::Status SendLocked(const v1::ForwardRequest& header, absl::string_view hidden_payload,
+                          absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<v1::ForwardResponse> ReceiveLocked(const OutputSink& sink, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks the channel broken after a transfer failure (the stream is out of step).
+  template <typename T>
+  T Checked(T result) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int fd_;
   mutable absl::Mutex mu_;
   bool broken_ ABSL_GUARDED_BY(mu_) = false;
+  bool awaiting_ ABSL_GUARDED_BY(mu_) = false;  // sent a request whose answer is unread
   std::string scratch_ ABSL_GUARDED_BY(mu_);
 };
 

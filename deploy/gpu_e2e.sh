@@ -3,8 +3,9 @@
 # `moe-shard --backend cuda`, then `moectl workload` runs whose outputs are checked against the
 # CPU reference (a failed check aborts before the report), for an MXFP4 gpt-oss-like model and
 # an NVFP4 model with a shared expert; 16 tokens per step, 2 (one-token shard batches, which run
-# as CUDA graphs) and 512 (the wgmma path). Also: a shard asked for a device past those present
-# (--cuda_device) must refuse to start, naming their count.
+# as CUDA graphs) and 512 (the wgmma path), over ForwardRaw; then 16 tokens again over direct TCP
+# channels (the shards run with --tcp_channel). Also: a shard asked for a device past those
+# present (--cuda_device) must refuse to start, naming their count.
 #
 #   deploy/gpu_e2e.sh [BUNDLE_TAR]   # default: .bundle-rel/moe-serve-*.tar.gz
 #
@@ -44,16 +45,24 @@ for fmt in mxfp4 nvfp4; do
   sleep 1
   for r in 0 1; do
     bin/moe-shard --model "$m" --coordinator 127.0.0.1:$port --port $((port + 1 + r)) --rank $r \
-      --backend cuda --cuda_device 0 > "$OUT/shard$r-$fmt.log" 2>&1 &
+      --backend cuda --cuda_device 0 --tcp_channel > "$OUT/shard$r-$fmt.log" 2>&1 &
   done
-  for run in "$steps 16" "12 2" "3 512"; do
-    read -r n tokens <<< "$run"
+  for run in "$steps 16 raw" "12 2 raw" "3 512 raw" "$steps 16 tcp"; do
+    read -r n tokens transport <<< "$run"
+    log="$OUT/workload-$fmt-$tokens-$transport.log"
     timeout 180 bin/moectl workload --coordinator 127.0.0.1:$port --model "$m" --steps "$n" \
-      --tokens "$tokens" > "$OUT/workload-$fmt-$tokens.log" 2>&1
+      --tokens "$tokens" --transport "$transport" > "$log" 2>&1
     rc=$?
-    grep -E "verified|match" "$OUT/workload-$fmt-$tokens.log"
-    echo "workload $fmt, $tokens tokens x $n steps: rc=$rc"
+    grep -E "verified|match" "$log"
+    echo "workload $fmt, $tokens tokens x $n steps over $transport: rc=$rc"
     ((rc == 0)) || failed=1
+  done
+  # Every shard answered the tcp run over its channels.
+  for r in 0 1; do
+    if ! grep -q "tcp channel: connection opened" "$OUT/shard$r-$fmt.log"; then
+      echo "shard $r ($fmt): no tcp channel was opened"
+      failed=1
+    fi
   done
   timeout 20 bin/moectl info --shard 127.0.0.1:$((port + 1)) 2>&1 | grep -iE "backend|device" | head -3
   kill $(jobs -p) 2> /dev/null

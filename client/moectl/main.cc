@@ -41,6 +41,9 @@ ABSL_FLAG(int, tokens, 16, "workload/forward: tokens per forward");
 ABSL_FLAG(int, clients, 2, "workload: concurrent client threads");
 ABSL_FLAG(double, skew, 1.2, "workload: Zipf-like routing skew (0 = the router's own)");
 ABSL_FLAG(int, layer, 0, "forward: layer");
+ABSL_FLAG(std::string, transport, "raw",
+          "workload/forward: raw (ForwardRaw frames) | proto (protobuf Forward) | tcp (direct TCP "
+          "channels where the shards serve them: moe_shard --tcp_channel; raw elsewhere)");
 ABSL_FLAG(bool, refresh, true, "load: collect the shards' pending load first");
 ABSL_FLAG(bool, dry_run, false, "rebalance: plan and report only");
 ABSL_FLAG(double, min_gain, 0.0,
@@ -71,10 +74,23 @@ constexpr char kUsage[] =
     "                      EPLB plan from the load window: report it, or switch to it live\n"
     "  drain     --shard_id ID [--coordinator --wait]\n"
     "                      move a shard's slots to the others (two-phase), then stop it\n"
-    "  forward   [--coordinator --layer --tokens --seed]\n"
+    "  forward   [--coordinator --layer --tokens --seed --transport raw|proto|tcp]\n"
     "                      send one random routed batch through the cluster, print a summary\n"
-    "  workload  --model DIR [--coordinator --steps --tokens --clients --skew --seed]\n"
+    "  workload  --model DIR [--coordinator --steps --tokens --clients --skew --seed\n"
+    "            --transport raw|proto|tcp]\n"
     "                      routed forwards over all layers, verified against the CPU reference\n";
+
+// --transport into the ForwardOptions fields it sets.
+absl::Status ParseTransport(bool* raw, bool* tcp) {
+  const std::string t = absl::GetFlag(FLAGS_transport);
+  if (t != "raw" && t != "proto" && t != "tcp") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--transport: '", t, "' is not raw, proto or tcp"));
+  }
+  *raw = t != "proto";
+  *tcp = t == "tcp";
+  return absl::OkStatus();
+}
 
 int Fail(const absl::Status& s) {
   std::cerr << "moectl: " << s << "\n";
@@ -158,6 +174,8 @@ int Info() {
 }
 
 int Forward() {
+  ForwardOptions fo;
+  if (absl::Status s = ParseTransport(&fo.raw_transport, &fo.tcp_channel); !s.ok()) return Fail(s);
   absl::StatusOr<std::unique_ptr<MoeClient>> c = Connect();
   if (!c.ok()) return Fail(c.status());
   const v1::ClusterMap map = (*c)->cluster_map();
@@ -176,7 +194,7 @@ int Forward() {
   }
   const absl::Time start = absl::Now();
   absl::StatusOr<ForwardResult> r =
-      (*c)->Forward(absl::GetFlag(FLAGS_layer), x.view(), ids.view(), weights.view());
+      (*c)->Forward(absl::GetFlag(FLAGS_layer), x.view(), ids.view(), weights.view(), fo);
   if (!r.ok()) return Fail(r.status());
   double norm = 0;
   for (int64_t i = 0; i < r->output.NumElements(); ++i) {
@@ -199,6 +217,7 @@ int Workload() {
   o.skew = absl::GetFlag(FLAGS_skew);
   o.seed = absl::GetFlag(FLAGS_seed);
   if (o.model_dir.empty()) return Fail(absl::InvalidArgumentError("workload needs --model DIR"));
+  if (absl::Status s = ParseTransport(&o.raw_transport, &o.tcp_channel); !s.ok()) return Fail(s);
   absl::StatusOr<WorkloadReport> r = RunWorkload(o, std::cout);
   if (!r.ok()) return Fail(r.status());
   return 0;

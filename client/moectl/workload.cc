@@ -87,6 +87,8 @@ absl::Status OneStep(MoeClient& client, const model::ExpertModel& m,
     return s;
   }
   ForwardOptions fo;
+  fo.raw_transport = o.raw_transport;
+  fo.tcp_channel = o.tcp_channel;
   fo.is_padding = padding.view();
   fo.shared_experts = cfg.n_shared_experts > 0;
   const absl::Time start = absl::Now();

@@ -26,6 +26,10 @@ struct WorkloadOptions {
   double padding_fraction = 0.05;  // share of tokens marked as padding
   uint64_t seed = 1;
   bool verify = true;  // compare each output with the CPU reference
+  // How requests reach the shards (ForwardOptions): ForwardRaw frames, protobuf Forward, or
+  // direct TCP channels where the shards serve them.
+  bool raw_transport = true;
+  bool tcp_channel = false;
   absl::Duration connect_wait = absl::Seconds(60);
 };
 

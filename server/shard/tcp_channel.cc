@@ -197,7 +197,13 @@ void TcpChannelService::Reap() {
 void TcpChannelService::Serve(Connection* connection) {
   const int fd = connection->fd;
   absl::Status s = Hello(fd);
-  while (s.ok()) s = ServeOne(fd);
+  if (s.ok()) {
+    LOG(INFO) << "tcp channel: connection opened";
+    uint64_t requests = 0;
+    while ((s = ServeOne(fd)).ok()) ++requests;
+    LOG(INFO) << "tcp channel: connection closed after " << requests << " request(s) ("
+              << s.message() << ")";
+  }
   // A close with unread input would reset the connection, and the peer could lose the error
   // response just sent: end the sending side, then drain briefly.
   shutdown(fd, SHUT_WR);

@@ -300,7 +300,7 @@ TEST_F(TcpChannelTest, FramingErrorsEndTheConnection) {
   ExpectStillServing();
 }
 
-TEST_F(TcpChannelTest, ClientWithoutShardSupportGetsUnavailable) {
+TEST_F(TcpChannelTest, ClientWithoutShardSupportGetsUnimplemented) {
   const std::string dir = absl::StrCat(std::getenv("TEST_TMPDIR"), "/tcp_channel_model");
   InProcessShardOptions options;
   options.model_dir = dir;
@@ -309,7 +309,7 @@ TEST_F(TcpChannelTest, ClientWithoutShardSupportGetsUnavailable) {
   ASSERT_TRUE(plain.ok()) << plain.status();
   auto ch = grpc::CreateChannel((*plain)->address(), grpc::InsecureChannelCredentials());
   absl::StatusOr<std::unique_ptr<TcpChannel>> c = TcpChannel::Open(ch.get(), "127.0.0.1");
-  EXPECT_EQ(c.status().code(), absl::StatusCode::kUnavailable) << c.status();
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kUnimplemented) << c.status();
 }
 
 TEST_F(TcpChannelTest, StopClosesOpenConnections) {
