@@ -16,7 +16,7 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PROTOS = ("tensor.proto", "shard.proto", "coordinator.proto")
+PROTOS = ("tensor.proto", "shard.proto", "coordinator.proto", "tcp.proto")
 PACKAGE = "moe_serve_client._generated"
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from moe_serve_client import dispatch
 from moe_serve_client import pb
+from moe_serve_client import tcp_channel
 from moe_serve_client import wire
 
 MAX_MESSAGE_BYTES = 256 << 20  # the servers' limit too
@@ -103,6 +104,8 @@ class MoeClient:
         self._lock = threading.Lock()
         self._state = None
         self._shards = {}  # address -> (channel, stub)
+        self._idle_tcp = {}  # address -> open TcpChannels not in use (transport="tcp")
+        self._no_tcp = set()  # addresses of shards that do not serve TCP channels
         self._closed = threading.Event()
         self._watch_call = None
         self._watcher = None
@@ -193,11 +196,41 @@ class MoeClient:
                 self._shards[address] = (channel, pb.shard_pb2_grpc.ExpertShardStub(channel))
             return self._shards[address][1]
 
+    def _take_tcp(self, address, timeout):
+        """An idle TCP channel to the shard at `address`, or a new one; None when the shard does
+        not serve them. Raises TcpChannelError when one cannot be opened."""
+        self._shard_stub(address)
+        with self._lock:
+            if address in self._no_tcp:
+                return None
+            idle = self._idle_tcp.get(address)
+            if idle:
+                return idle.pop()
+            grpc_channel = self._shards[address][0]
+        host = address[1:address.index("]")] if address.startswith("[") else \
+            address.rsplit(":", 1)[0] if address.count(":") == 1 else address
+        try:
+            return tcp_channel.open_channel(grpc_channel, host, timeout)
+        except tcp_channel.TcpChannelError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            with self._lock:
+                self._no_tcp.add(address)
+            return None
+
+    def _return_tcp(self, address, channel):
+        with self._lock:
+            idle = self._idle_tcp.setdefault(address, [])
+            if channel.broken or self._closed.is_set() or len(idle) >= 16:
+                channel.close()
+            else:
+                idle.append(channel)
+
     # --- forward --------------------------------------------------------------------------
 
     def forward(self, layer, hidden, topk_ids, topk_weights, is_padding=None, *,
                 shared_experts=False, wire_hidden_dtype="bf16", wire_output_dtype="f32",
-                deadline=None):
+                deadline=None, transport="grpc"):
         """Runs MoE layer `layer` for a batch and returns a ForwardResult.
 
         hidden float32 [T, H]; topk_ids int [T, K] logical expert ids (-1 = no route);
@@ -206,12 +239,17 @@ class MoeClient:
         for exactly one shard to add the shared-expert output (models that have one). Hidden
         states travel as BF16 (default) or F32, outputs as F32 (default) or BF16. `deadline`:
         seconds for the whole call, retries included (default: the client's default_deadline).
+        transport "tcp" sends each shard's request over a direct TCP channel (kept open from call
+        to call; shards started with --tcp_channel) instead of a gRPC call: a decode step then
+        costs about a TCP round trip of transport; shards without them get the gRPC call.
         ValueError for malformed arguments; MoeServeError when the cluster refuses the call or
         the deadline passes."""
         hidden, ids, weights, padding = self._check(layer, hidden, topk_ids, topk_weights,
                                                     is_padding)
         if wire_hidden_dtype not in _WIRE_DTYPES or wire_output_dtype not in _WIRE_DTYPES:
             raise ValueError("wire dtypes are 'f32' or 'bf16'")
+        if transport not in ("grpc", "tcp"):
+            raise ValueError("transport is 'grpc' or 'tcp'")
         give_up = time.monotonic() + (deadline or self.default_deadline)
         attempt = 0
         while True:
@@ -220,7 +258,7 @@ class MoeClient:
             try:
                 output, shards = self._forward_once(state, layer, hidden, ids, weights, padding,
                                                     shared_experts, wire_hidden_dtype,
-                                                    wire_output_dtype, give_up)
+                                                    wire_output_dtype, give_up, transport)
                 return ForwardResult(output, state.map.version, shards, attempt)
             except grpc.RpcError as e:
                 if not _retryable(e) or time.monotonic() >= give_up:
@@ -257,41 +295,68 @@ class MoeClient:
         return hidden, ids.astype(np.int32), weights, padding
 
     def _forward_once(self, state, layer, hidden, ids, weights, padding, shared_experts,
-                      hidden_dtype, output_dtype, give_up):
+                      hidden_dtype, output_dtype, give_up, transport):
         cluster_map = state.map
         plan = dispatch.plan_dispatch(state.layers[layer], list(cluster_map.slot_to_rank),
                                       len(cluster_map.shards), ids, padding, shared_experts)
         tensor_dtype, activation_format = _WIRE_DTYPES[hidden_dtype]
         hidden_wire = wire.float_to_bf16_bits(hidden) if hidden_dtype == "bf16" else hidden
-        calls = []
-        for rank, rows in enumerate(plan.tokens_by_rank):
-            if len(rows) == 0:
-                continue
-            request = pb.shard_pb2.ForwardRequest(
-                model_fingerprint=cluster_map.model.fingerprint, layer=layer,
-                map_version=cluster_map.version,
-                hidden_states=pb.shard_pb2.HiddenStates(
-                    format=activation_format, data=wire.to_tensor(hidden_wire[rows], tensor_dtype)),
-                topk_ids=wire.to_tensor(ids[rows], pb.tensor_pb2.I32),
-                topk_weights=wire.to_tensor(weights[rows], pb.tensor_pb2.F32),
-                token_indices=wire.to_tensor(rows, pb.tensor_pb2.I64),
-                output_dtype=_WIRE_DTYPES[output_dtype][0])
-            if padding is not None:
-                request.is_padding.CopyFrom(wire.to_tensor(padding[rows], pb.tensor_pb2.BOOL))
-            if shared_experts:
-                request.shared_mask.CopyFrom(
-                    wire.to_tensor(plan.shared_rank[rows] == rank, pb.tensor_pb2.BOOL))
-            stub = self._shard_stub(cluster_map.shards[rank].address)
-            timeout = max(give_up - time.monotonic(), 0.001)
-            calls.append((rank, rows, stub.Forward.future(request, timeout=timeout)))
-        output = np.zeros(hidden.shape, dtype=np.float32)
-        for rank, rows, future in calls:
-            partial = wire.from_tensor(future.result().output)
-            if partial.shape != (len(rows), hidden.shape[1]):
-                raise MoeServeError(grpc.StatusCode.INTERNAL, "shard %d answered shape %s for %d "
-                                    "tokens" % (rank, partial.shape, len(rows)))
-            output[rows] += partial
-        return output, len(calls)
+        calls = []  # (rank, rows, gRPC future or None, TcpChannel or None, request, payload)
+        try:
+            for rank, rows in enumerate(plan.tokens_by_rank):
+                if len(rows) == 0:
+                    continue
+                address = cluster_map.shards[rank].address
+                timeout = max(give_up - time.monotonic(), 0.001)
+                channel = self._take_tcp(address, timeout) if transport == "tcp" else None
+                rows_wire = np.ascontiguousarray(hidden_wire[rows])
+                data = wire.to_tensor(rows_wire, tensor_dtype)
+                if channel is not None:
+                    data.data = b""  # the bytes travel beside the header
+                request = pb.shard_pb2.ForwardRequest(
+                    model_fingerprint=cluster_map.model.fingerprint, layer=layer,
+                    map_version=cluster_map.version,
+                    hidden_states=pb.shard_pb2.HiddenStates(format=activation_format, data=data),
+                    topk_ids=wire.to_tensor(ids[rows], pb.tensor_pb2.I32),
+                    topk_weights=wire.to_tensor(weights[rows], pb.tensor_pb2.F32),
+                    token_indices=wire.to_tensor(rows, pb.tensor_pb2.I64),
+                    output_dtype=_WIRE_DTYPES[output_dtype][0])
+                if padding is not None:
+                    request.is_padding.CopyFrom(wire.to_tensor(padding[rows], pb.tensor_pb2.BOOL))
+                if shared_experts:
+                    request.shared_mask.CopyFrom(
+                        wire.to_tensor(plan.shared_rank[rows] == rank, pb.tensor_pb2.BOOL))
+                future = None
+                if channel is None:
+                    future = self._shard_stub(address).Forward.future(request, timeout=timeout)
+                calls.append([rank, rows, future, channel, request, rows_wire])
+            # Every TCP request goes out before the first answer is read: the shards work at once.
+            for call in calls:
+                if call[3] is not None:
+                    call[3].send(call[4], call[5], max(give_up - time.monotonic(), 0.001))
+            output = np.zeros(hidden.shape, dtype=np.float32)
+            for call in calls:
+                rank, rows, future, channel = call[:4]
+                if channel is None:
+                    wire_output = future.result().output
+                else:
+                    call[3] = None
+                    try:
+                        response, data = channel.receive(max(give_up - time.monotonic(), 0.001))
+                    finally:  # a refusal leaves the channel in step; a broken one is closed
+                        self._return_tcp(cluster_map.shards[rank].address, channel)
+                    wire_output = response.output
+                    wire_output.data = data
+                partial = wire.from_tensor(wire_output)
+                if partial.shape != (len(rows), hidden.shape[1]):
+                    raise MoeServeError(grpc.StatusCode.INTERNAL, "shard %d answered shape %s for "
+                                        "%d tokens" % (rank, partial.shape, len(rows)))
+                output[rows] += partial
+            return output, len(calls)
+        finally:
+            for call in calls:  # channels whose answer was not read are out of step
+                if call[3] is not None:
+                    call[3].close()
 
     # --- load -----------------------------------------------------------------------------
 
@@ -321,8 +386,12 @@ class MoeClient:
             self._watcher.join(timeout=5.0)
         with self._lock:
             shards, self._shards = self._shards, {}
+            idle, self._idle_tcp = self._idle_tcp, {}
         for channel, _ in shards.values():
             channel.close()
+        for channels in idle.values():
+            for channel in channels:
+                channel.close()
         self._channel.close()
 
     def __enter__(self):

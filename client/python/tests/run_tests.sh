@@ -41,9 +41,12 @@ cd "$WORK"  # away from the sources: every import must come from the venv
   --num_shards 2 --redundant_slots 16 2>"$WORK/coordinator.log" &
 PIDS+=($!)
 COORDINATOR="127.0.0.1:$(wait_port "$WORK/coordinator.port" "${PIDS[0]}")"
+# Rank 0 also serves direct TCP channels (transport="tcp"); rank 1 does not (the gRPC fallback).
 for rank in 0 1; do
+  tcp=()
+  ((rank == 0)) && tcp=(--tcp_channel)
   "$RUNFILES/server/shard/moe_shard" --model "$WORK/model" --coordinator "$COORDINATOR" \
-    --port 0 --port_file "$WORK/shard$rank.port" --rank "$rank" --backend cpu \
+    --port 0 --port_file "$WORK/shard$rank.port" --rank "$rank" --backend cpu "${tcp[@]}" \
     2>"$WORK/shard$rank.log" &
   PIDS+=($!)
 done

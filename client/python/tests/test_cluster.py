@@ -18,6 +18,7 @@ import numpy as np
 
 import moe_serve_client as moe
 from moe_serve_client import pb
+from moe_serve_client import tcp_channel
 from moe_serve_client import wire
 
 COORDINATOR = os.environ.get("MOE_TEST_COORDINATOR", "")
@@ -188,6 +189,54 @@ class ClusterTest(unittest.TestCase):
             with self.subTest(message=message):
                 with self.assertRaisesRegex(ValueError, message):
                     self.client.forward(*args)
+
+    def test_tcp_transport_gives_the_grpc_answers(self):
+        # Rank 0 serves TCP channels, rank 1 does not: its share takes the gRPC call.
+        for layer in range(self.model.num_layers):
+            for wire_dtype in ("f32", "bf16"):
+                with self.subTest(layer=layer, wire=wire_dtype):
+                    hidden, ids, weights, padding = self.batch(seed=50 + layer)
+                    want = self.client.forward(layer, hidden, ids, weights, padding,
+                                               wire_hidden_dtype=wire_dtype)
+                    for _ in range(2):  # the second call reuses the channel
+                        got = self.client.forward(layer, hidden, ids, weights, padding,
+                                                  wire_hidden_dtype=wire_dtype, transport="tcp")
+                        self.assertEqual(got.shards_called, 2)
+                        np.testing.assert_array_equal(got.output, want.output)
+        with self.assertRaisesRegex(ValueError, "transport"):
+            self.client.forward(0, *self.batch(seed=1)[:3], transport="udp")
+
+    def test_tcp_channel_refusals(self):
+        shard0 = grpc.insecure_channel(self.map.shards[0].address)
+        shard1 = grpc.insecure_channel(self.map.shards[1].address)
+        try:
+            with self.assertRaises(tcp_channel.TcpChannelError) as caught:
+                tcp_channel.open_channel(shard1, "127.0.0.1", timeout=10)
+            self.assertEqual(caught.exception.code(), grpc.StatusCode.UNIMPLEMENTED)
+            channel = tcp_channel.open_channel(shard0, "127.0.0.1", timeout=10)
+            self.addCleanup(channel.close)
+            hidden, ids, weights, _ = self.batch(seed=8)
+            request = pb.shard_pb2.ForwardRequest(
+                layer=0, map_version=self.map.version,
+                hidden_states=pb.shard_pb2.HiddenStates(
+                    format=pb.shard_pb2.ACTIVATION_F32,
+                    data=pb.tensor_pb2.Tensor(dtype=pb.tensor_pb2.F32, shape=hidden.shape)),
+                topk_ids=wire.to_tensor(ids, pb.tensor_pb2.I32),
+                topk_weights=wire.to_tensor(weights, pb.tensor_pb2.F32),
+                output_dtype=pb.tensor_pb2.F32)
+            channel.send(request, hidden.tobytes()[:-4], timeout=10)  # one value short
+            with self.assertRaises(tcp_channel.TcpChannelError) as caught:
+                channel.receive(timeout=10)
+            self.assertEqual(caught.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("hidden_states.data", caught.exception.details())
+            self.assertFalse(channel.broken)
+            channel.send(request, hidden.tobytes(), timeout=10)  # still in step
+            response, data = channel.receive(timeout=10)
+            self.assertEqual(list(response.output.shape), [len(hidden), self.model.hidden_size])
+            self.assertEqual(len(data), hidden.nbytes)
+        finally:
+            shard0.close()
+            shard1.close()
 
     def test_server_refusal_is_a_moe_serve_error(self):
         # A deadline too short to reach any shard: DEADLINE_EXCEEDED, not retried forever.
