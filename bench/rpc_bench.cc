@@ -87,6 +87,9 @@ ABSL_FLAG(bool, cuda_on_device, true,
 ABSL_FLAG(bool, pin_shm, true,
           "register the clients' shared-memory regions with the backend too (a CUDA backend "
           "pins them and reads and writes large batches in place; false: staged copies)");
+ABSL_FLAG(int64_t, tcp_spin_us, -1,
+          "tcp mode: how long the client polls for an answer before it blocks (TcpChannel::"
+          "set_spin); -1 keeps the default");
 ABSL_FLAG(int64_t, raw_pool_mib, 256,
           "raw mode: MiB of idle ForwardRaw payload/output buffers the shard keeps (registered "
           "with a CUDA backend); 0: fresh, unregistered buffers per call (staged copies)");
@@ -279,6 +282,9 @@ class Client {
         std::exit(1);
       }
       tcp_channel_ = *std::move(c);
+      if (const int64_t spin = absl::GetFlag(FLAGS_tcp_spin_us); spin >= 0) {
+        tcp_channel_->set_spin(absl::Microseconds(spin));
+      }
     } else if (!raw_) {
       for (const v1::ForwardRequest& header : headers_) {
         v1::ForwardRequest& full = fulls_.emplace_back(header);
@@ -862,6 +868,7 @@ int Main() {
       {"pin_shm", options.pin_shared_memory},
       {"cuda_on_device", options.forward_cuda_on_device},
       {"tcp_round_trip_us", tcp_rtt_us},
+      {"tcp_spin_us", absl::GetFlag(FLAGS_tcp_spin_us)},
       {"raw_pool_mib", options.raw_buffers.max_idle_bytes >> 20},
       {"allocator_tuned", tuned},
       {"channel_spin_us", absl::GetFlag(FLAGS_channel_spin_us) >= 0

@@ -138,6 +138,34 @@ absl::StatusOr<std::unique_ptr<TcpChannel>> TcpChannel::Open(grpc::ChannelInterf
 
 TcpChannel::~TcpChannel() { close(fd_); }
 
+void TcpChannel::set_spin(absl::Duration spin) {
+  absl::MutexLock lock(&mu_);
+  spin_ = std::max(spin, absl::ZeroDuration());
+}
+
+absl::Status TcpChannel::ReadPrefix(uint8_t* raw, absl::Time deadline) {
+  size_t got = 0;
+  if (spin_ > absl::ZeroDuration() && (last_wait_ <= spin_ || ++unpolled_ >= 16)) {
+    unpolled_ = 0;
+    const absl::Time stop = absl::Now() + spin_;
+    while (got < kTcpPrefixBytes) {
+      const ssize_t n = recv(fd_, raw + got, kTcpPrefixBytes - got, MSG_DONTWAIT);
+      if (n > 0) {
+        got += static_cast<size_t>(n);
+      } else if (n == 0) {
+        return absl::UnavailableError("tcp channel: connection closed by the peer");
+      } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+        return absl::UnavailableError(absl::StrCat("tcp channel: recv: ", std::strerror(errno)));
+      } else if (absl::Now() >= stop) {
+        break;
+      }
+    }
+  }
+  absl::Status s = ReadExactly(fd_, raw + got, kTcpPrefixBytes - got, deadline);
+  last_wait_ = absl::Now() - sent_at_;
+  return s;
+}
+
 bool TcpChannel::broken() const {
   absl::MutexLock lock(&mu_);
   return broken_;
@@ -231,6 +259,7 @@ absl::Status TcpChannel::SendLocked(const v1::ForwardRequest& header,
                   {const_cast<char*>(hidden_payload.data()), hidden_payload.size()}};
   if (absl::Status s = WriteAll(fd_, iov, 3, deadline); !s.ok()) return s;
   awaiting_ = true;
+  sent_at_ = absl::Now();
   return absl::OkStatus();
 }
 
@@ -242,7 +271,7 @@ absl::StatusOr<v1::ForwardResponse> TcpChannel::ReceiveLocked(const OutputSink& 
   if (!awaiting_) return absl::FailedPreconditionError("tcp channel: no request was sent");
   awaiting_ = false;
   uint8_t raw[kTcpPrefixBytes];
-  if (absl::Status s = ReadExactly(fd_, raw, sizeof(raw), deadline); !s.ok()) return s;
+  if (absl::Status s = ReadPrefix(raw, deadline); !s.ok()) return s;
   const TcpFramePrefix prefix = DecodeTcpPrefix(raw);
   if (prefix.word != 0) return ReadError(fd_, prefix, deadline);
   if (prefix.header_len > kTcpMaxHeaderBytes) {
