@@ -11,6 +11,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -199,6 +200,41 @@ TEST_F(TcpChannelTest, SameOutputAsForwardRaw) {
   EXPECT_EQ(shard_->tcp()->served() - served_before, 6u);
   EXPECT_GT(shard_->tcp()->buffer_stats().reuses, 0);
   EXPECT_FALSE(c->broken());
+}
+
+TEST_F(TcpChannelTest, ConcurrentChannelsGetTheirOwnAnswers) {
+  constexpr int kThreads = 8, kCalls = 20;
+  // Each thread its own token count, so that a mixed-up answer would have the wrong size.
+  std::vector<std::string> want(kThreads);
+  for (int i = 0; i < kThreads; ++i) {
+    std::string payload;
+    const v1::ForwardRequest header = Header(1 + i, &payload);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    absl::StatusOr<RawForwardReply> r = ForwardRaw(channel_->get(), &ctx, header, payload);
+    ASSERT_TRUE(r.ok()) << r.status();
+    want[i] = r->output;
+  }
+  std::vector<int> wrong(kThreads, 0);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kThreads; ++i) {
+    threads.emplace_back([&, i] {
+      std::unique_ptr<TcpChannel> c = OpenChannel();
+      if (c == nullptr) {
+        wrong[i] = kCalls;
+        return;
+      }
+      std::string payload;
+      const v1::ForwardRequest header = Header(1 + i, &payload);
+      std::vector<uint8_t> out(want[i].size());
+      for (int call = 0; call < kCalls; ++call) {
+        absl::StatusOr<v1::ForwardResponse> r = c->Forward(header, payload, absl::MakeSpan(out));
+        if (!r.ok() || std::string(out.begin(), out.end()) != want[i]) ++wrong[i];
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i < kThreads; ++i) EXPECT_EQ(wrong[i], 0) << "thread " << i;
 }
 
 TEST_F(TcpChannelTest, TicketsAreSingleUseAndUnforgeable) {
