@@ -19,6 +19,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "client/raw_forward.h"
+#include "client/tcp_channel.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
@@ -27,7 +29,9 @@
 #include "server/common/tls.h"
 #include "server/model/generator.h"
 #include "server/shard/model_source.h"
+#include "server/shard/raw_forward.h"
 #include "server/shard/service.h"
+#include "server/shard/tcp_channel.h"
 #include "tests/local_cluster.h"
 #include "tests/test_util.h"
 
@@ -131,6 +135,13 @@ class AdmissionTest : public ::testing::Test {
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", *credentials, &port);
     builder.RegisterService(service_.get());
+    raw_ = std::make_unique<RawForwardService>(service_.get());
+    builder.RegisterService(raw_.get());
+    absl::StatusOr<std::unique_ptr<TcpChannelService>> tcp =
+        TcpChannelService::Start(service_.get(), TcpChannelOptions{});
+    ASSERT_TRUE(tcp.ok()) << tcp.status();
+    tcp_ = *std::move(tcp);
+    builder.RegisterService(tcp_.get());
     server_ = builder.BuildAndStart();
     ASSERT_TRUE(server_ != nullptr && port != 0);
     address_ = "127.0.0.1:" + std::to_string(port);
@@ -139,6 +150,7 @@ class AdmissionTest : public ::testing::Test {
   void TearDown() override {
     if (backend_) backend_->Open();
     if (server_) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    if (tcp_) tcp_->Stop();
   }
 
   // A new connection authenticated with `token`.
@@ -176,6 +188,8 @@ class AdmissionTest : public ::testing::Test {
   std::unique_ptr<GatedBackend> backend_;
   std::unique_ptr<AdmissionController> admission_;
   std::unique_ptr<ExpertShardService> service_;
+  std::unique_ptr<RawForwardService> raw_;
+  std::unique_ptr<TcpChannelService> tcp_;
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
 };
@@ -231,6 +245,48 @@ TEST_F(AdmissionTest, QuotasRefuseExcessAndShardKeepsServing) {
   ExpectReferenceOutput(again);
   ASSERT_TRUE(Forward(*Client("tok-c"), &again).ok());
   EXPECT_EQ(Stats().requests(), 4u);
+  EXPECT_EQ(admission_->stats().in_flight, 0);
+}
+
+// ForwardRaw and TCP channels count against the same per-client quota as Forward: the TCP
+// channel under the identity of the call that opened it.
+TEST_F(AdmissionTest, RawAndTcpPathsShareTheQuota) {
+  StartShard({.max_inflight_per_client = 1});
+  auto alice_channel = MakeChannel(address_, ChannelSecurity{nullptr, "tok-a"});
+  absl::StatusOr<std::unique_ptr<TcpChannel>> alice_tcp =
+      TcpChannel::Open(alice_channel.get(), "127.0.0.1");
+  ASSERT_TRUE(alice_tcp.ok()) << alice_tcp.status();
+  v1::ForwardRequest header = request_;
+  const std::string payload = header.hidden_states().data().data();
+  header.mutable_hidden_states()->mutable_data()->clear_data();
+  std::vector<uint8_t> out(expected_.view().NumBytes());
+
+  auto alice = Client("tok-a");
+  v1::ForwardResponse a_response;
+  grpc::Status a_status;
+  std::thread a([&] { a_status = Forward(*alice, &a_response); });
+  if (!backend_->WaitEntered(1)) {
+    a.join();
+    FAIL() << "alice's request never reached the backend: " << a_status.error_message();
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + kWait));
+  EXPECT_EQ(ForwardRaw(alice_channel.get(), &ctx, header, payload).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ((*alice_tcp)->Forward(header, payload, absl::MakeSpan(out)).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_FALSE((*alice_tcp)->broken());  // a refusal keeps the connection
+
+  backend_->Open();
+  a.join();
+  ASSERT_TRUE(a_status.ok()) << a_status.error_message();
+  absl::StatusOr<v1::ForwardResponse> again =
+      (*alice_tcp)->Forward(header, payload, absl::MakeSpan(out));
+  ASSERT_TRUE(again.ok()) << again.status();
+  std::vector<float> got(expected_.NumElements());
+  std::memcpy(got.data(), out.data(), out.size());
+  EXPECT_LE(RelativeError(got.data(), expected_.data<float>(), expected_.NumElements()), 1e-3);
+  EXPECT_EQ(Stats().rejected(), 2u);
   EXPECT_EQ(admission_->stats().in_flight, 0);
 }
 

@@ -8,6 +8,7 @@
 #include "grpcpp/impl/rpc_service_method.h"
 #include "grpcpp/support/method_handler.h"
 #include "moe/v1/shard.pb.h"
+#include "server/common/auth.h"
 #include "server/common/raw_frame.h"
 #include "server/common/status.h"
 
@@ -30,12 +31,20 @@ RawForwardService::RawForwardService(ExpertShardService* shard, HostBufferPoolOp
           this)));
 }
 
-grpc::Status RawForwardService::ForwardRaw(grpc::ServerContext*, const grpc::ByteBuffer* request,
+grpc::Status RawForwardService::ForwardRaw(grpc::ServerContext* ctx,
+                                           const grpc::ByteBuffer* request,
                                            grpc::ByteBuffer* response) {
-  return ToGrpcStatus(Serve(*request, response));
+  // The same per-client quotas as Forward (a unit test may call without a context).
+  absl::StatusOr<AdmissionController::Ticket> ticket =
+      shard_->AdmitCaller(ctx != nullptr ? CallerIdentity(*ctx) : std::string());
+  if (!ticket.ok()) return ToGrpcStatus(ticket.status());
+  return ToGrpcStatus(Serve(*request, response,
+                            ctx != nullptr ? absl::FromChrono(ctx->deadline())
+                                           : absl::InfiniteFuture()));
 }
 
-absl::Status RawForwardService::Serve(const grpc::ByteBuffer& frame, grpc::ByteBuffer* out) {
+absl::Status RawForwardService::Serve(const grpc::ByteBuffer& frame, grpc::ByteBuffer* out,
+                                      absl::Time deadline) {
   v1::ForwardRequest request;
   RawPayload payload;
   if (absl::Status s = DecodeRawFrame(frame, &request, &payload); !s.ok()) return s;
@@ -74,7 +83,7 @@ absl::Status RawForwardService::Serve(const grpc::ByteBuffer& frame, grpc::ByteB
     return absl::Span<uint8_t>(output.data(), bytes);
   };
   v1::ForwardResponse response;
-  if (absl::Status s = shard_->ServeForward(request, &response, io); !s.ok()) return s;
+  if (absl::Status s = shard_->ServeForward(request, &response, io, deadline); !s.ok()) return s;
   if (output.empty()) {
     *out = EncodeRawFrame(response, grpc::Slice());
     return absl::OkStatus();

@@ -2,8 +2,8 @@
 // raw_frame.h). It receives the request as a grpc::ByteBuffer (no protobuf parse of the hidden
 // states), reads the payload where gRPC received it (one copy only when it arrived split over
 // several slices, into a pooled buffer the backend has registered: HostBufferPool), runs it
-// through ExpertShardService::ServeForward (the same validation, batching, load counting and
-// metrics as Forward), and answers with a frame whose payload slice wraps the pooled buffer the
+// through ExpertShardService::ServeForward (the same admission quotas, deadline, validation,
+// batching, load counting and metrics as Forward), and answers with a frame whose payload slice wraps the pooled buffer the
 // backend wrote the output into (returned to the pool when gRPC has sent it), so the output is
 // never copied either. With a CUDA backend both move between those buffers and the device
 // without staging copies.
@@ -34,7 +34,8 @@ class RawForwardService final : public grpc::Service {
   HostBufferPoolStats pool_stats() const { return pool_.stats(); }
 
  private:
-  absl::Status Serve(const grpc::ByteBuffer& request, grpc::ByteBuffer* response);
+  absl::Status Serve(const grpc::ByteBuffer& request, grpc::ByteBuffer* response,
+                     absl::Time deadline);
 
   ExpertShardService* const shard_;
   HostBufferPool pool_;

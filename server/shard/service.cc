@@ -216,23 +216,23 @@ void ExpertShardService::Observe(const v1::ForwardRequest& request,
 
 absl::Status ExpertShardService::ServeForward(const v1::ForwardRequest& request,
                                               v1::ForwardResponse* response,
-                                              const ForwardIo& io) {
+                                              const ForwardIo& io, absl::Time deadline) {
   const absl::Time start = absl::Now();
-  const absl::Status status = DoForward(request, response, absl::InfiniteFuture(), io);
+  const absl::Status status = DoForward(request, response, deadline, io);
   Observe(request, *response, status, start);
   return status;
 }
 
-absl::StatusOr<AdmissionController::Ticket> ExpertShardService::Admit(
-    const grpc::ServerContext& ctx) {
+absl::StatusOr<AdmissionController::Ticket> ExpertShardService::AdmitCaller(
+    const std::string& identity) {
   if (admission_ == nullptr) return AdmissionController::Ticket();
-  return admission_->Admit(CallerIdentity(ctx));
+  return admission_->Admit(identity);
 }
 
 grpc::Status ExpertShardService::Forward(grpc::ServerContext* ctx,
                                          const v1::ForwardRequest* request,
                                          v1::ForwardResponse* response) {
-  absl::StatusOr<AdmissionController::Ticket> ticket = Admit(*ctx);
+  absl::StatusOr<AdmissionController::Ticket> ticket = AdmitCaller(CallerIdentity(*ctx));
   if (!ticket.ok()) return ToGrpcStatus(ticket.status());
   const absl::Time start = absl::Now();
   const absl::Status status = DoForward(*request, response, absl::FromChrono(ctx->deadline()));
@@ -246,7 +246,7 @@ grpc::Status ExpertShardService::ForwardStream(
   v1::ForwardRequest request;
   while (stream->Read(&request)) {
     v1::ForwardResponse response;
-    absl::StatusOr<AdmissionController::Ticket> ticket = Admit(*ctx);
+    absl::StatusOr<AdmissionController::Ticket> ticket = AdmitCaller(CallerIdentity(*ctx));
     if (!ticket.ok()) return ToGrpcStatus(ticket.status());
     const absl::Time start = absl::Now();
     const absl::Status s = DoForward(request, &response, absl::FromChrono(ctx->deadline()));

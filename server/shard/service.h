@@ -94,10 +94,16 @@ class ExpertShardService final : public v1::ExpertShard::Service {
   absl::Status HandOffLoad(absl::FunctionRef<absl::Status(v1::LoadDelta)> send)
       ABSL_LOCKS_EXCLUDED(handoff_mu_);
 
-  // Forward without the gRPC wrapper: validates, runs and reports one request (the raw-buffer and
-  // shared-memory methods call it with their payload and output buffers in `io`).
+  // Forward without the gRPC wrapper: validates, runs and reports one request (the raw-buffer,
+  // shared-memory and TCP-channel methods call it with their payload and output buffers in
+  // `io`). `deadline`: the caller's; the executor drops the request unrun once it has passed.
   absl::Status ServeForward(const v1::ForwardRequest& request, v1::ForwardResponse* response,
-                            const ForwardIo& io = ForwardIo());
+                            const ForwardIo& io = ForwardIo(),
+                            absl::Time deadline = absl::InfiniteFuture());
+  // An admission ticket (admission.h) for one request of the client named `identity`
+  // (CallerIdentity of its gRPC call); always granted when the shard has no quotas. Forward and
+  // ForwardStream take one per request themselves; the other Forward paths call this first.
+  absl::StatusOr<AdmissionController::Ticket> AdmitCaller(const std::string& identity);
 
   grpc::Status Forward(grpc::ServerContext* ctx, const v1::ForwardRequest* request,
                        v1::ForwardResponse* response) override;
@@ -122,8 +128,6 @@ class ExpertShardService final : public v1::ExpertShard::Service {
   absl::Status DoForward(const v1::ForwardRequest& request, v1::ForwardResponse* response,
                          absl::Time deadline = absl::InfiniteFuture(),
                          const ForwardIo& io = ForwardIo());
-  // An admission ticket for one request of the caller of `ctx` (always granted without quotas).
-  absl::StatusOr<AdmissionController::Ticket> Admit(const grpc::ServerContext& ctx);
   // Reports one finished Forward request to the observer, if any.
   void Observe(const v1::ForwardRequest& request, const v1::ForwardResponse& response,
                const absl::Status& status, absl::Time start) const;

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "glog/logging.h"
+#include "server/common/auth.h"
 #include "server/common/status.h"
 #include "server/common/tcp_channel_frame.h"
 
@@ -120,7 +121,7 @@ size_t TcpChannelService::open_connections() const {
   return n;
 }
 
-grpc::Status TcpChannelService::OpenTcpChannel(grpc::ServerContext*,
+grpc::Status TcpChannelService::OpenTcpChannel(grpc::ServerContext* ctx,
                                                const v1::OpenTcpChannelRequest*,
                                                v1::OpenTcpChannelResponse* response) {
   std::string ticket(kTcpChannelTicketBytes, '\0');
@@ -131,13 +132,13 @@ grpc::Status TcpChannelService::OpenTcpChannel(grpc::ServerContext*,
   absl::MutexLock lock(&mu_);
   if (stopping_) return ToGrpcStatus(absl::UnavailableError("tcp channel: shutting down"));
   for (auto it = tickets_.begin(); it != tickets_.end();) {
-    it = it->second <= now ? tickets_.erase(it) : std::next(it);
+    it = it->second.expiry <= now ? tickets_.erase(it) : std::next(it);
   }
   if (tickets_.size() >= kMaxTickets) {
     return ToGrpcStatus(absl::ResourceExhaustedError(absl::StrCat(
         "tcp channel: ", kMaxTickets, " unused tickets are outstanding; connect with one first")));
   }
-  tickets_[ticket] = now + options_.ticket_ttl;
+  tickets_[ticket] = {now + options_.ticket_ttl, ctx != nullptr ? CallerIdentity(*ctx) : ""};
   response->set_port(static_cast<uint32_t>(port_));
   response->set_ticket(ticket);
   response->set_ticket_ttl_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(options_.ticket_ttl)));
@@ -196,11 +197,12 @@ void TcpChannelService::Reap() {
 
 void TcpChannelService::Serve(Connection* connection) {
   const int fd = connection->fd;
-  absl::Status s = Hello(fd);
-  if (s.ok()) {
+  absl::StatusOr<std::string> identity = Hello(fd);
+  if (identity.ok()) {
     LOG(INFO) << "tcp channel: connection opened";
     uint64_t requests = 0;
-    while ((s = ServeOne(fd)).ok()) ++requests;
+    absl::Status s;
+    while ((s = ServeOne(fd, *identity)).ok()) ++requests;
     LOG(INFO) << "tcp channel: connection closed after " << requests << " request(s) ("
               << s.message() << ")";
   }
@@ -215,13 +217,14 @@ void TcpChannelService::Serve(Connection* connection) {
   connection->done = true;
 }
 
-absl::Status TcpChannelService::Hello(int fd) {
+absl::StatusOr<std::string> TcpChannelService::Hello(int fd) {
   uint8_t hello[kTcpHelloBytes];
   if (absl::Status s = ReadExactly(fd, hello, sizeof(hello), absl::Now() + kHelloTimeout);
       !s.ok()) {
     return s;
   }
   absl::Status verdict;
+  std::string identity;
   if (std::memcmp(hello, kTcpChannelMagic, sizeof(kTcpChannelMagic)) != 0) {
     verdict = absl::InvalidArgumentError("tcp channel: the connection did not start with the hello");
   } else {
@@ -229,9 +232,11 @@ absl::Status TcpChannelService::Hello(int fd) {
                              kTcpChannelTicketBytes);
     absl::MutexLock lock(&mu_);
     auto it = tickets_.find(ticket);
-    if (it == tickets_.end() || it->second <= absl::Now()) {
+    if (it == tickets_.end() || it->second.expiry <= absl::Now()) {
       verdict = absl::PermissionDeniedError(
           "tcp channel: unknown, used or expired ticket (OpenTcpChannel gives a new one)");
+    } else {
+      identity = it->second.identity;
     }
     if (it != tickets_.end()) tickets_.erase(it);  // single use, even when expired
   }
@@ -239,10 +244,14 @@ absl::Status TcpChannelService::Hello(int fd) {
     (void)SendError(fd, verdict);
     return verdict;
   }
-  return SendResponse(fd, absl::OkStatus(), {}, {}, absl::Now() + kErrorWriteTimeout);
+  if (absl::Status s = SendResponse(fd, absl::OkStatus(), {}, {}, absl::Now() + kErrorWriteTimeout);
+      !s.ok()) {
+    return s;
+  }
+  return identity;
 }
 
-absl::Status TcpChannelService::ServeOne(int fd) {
+absl::Status TcpChannelService::ServeOne(int fd, const std::string& identity) {
   uint8_t raw[kTcpPrefixBytes];
   // An idle connection waits here for its next request as long as it likes.
   if (absl::Status s = ReadExactly(fd, raw, sizeof(raw), absl::InfiniteFuture()); !s.ok()) {
@@ -279,6 +288,9 @@ absl::Status TcpChannelService::ServeOne(int fd) {
   if (absl::Status s = ReadExactly(fd, payload.data(), prefix.payload_len, deadline); !s.ok()) {
     return s;
   }
+  // The frame is read whole, so a refusal leaves the connection in step.
+  absl::StatusOr<AdmissionController::Ticket> admitted = shard_->AdmitCaller(identity);
+  if (!admitted.ok()) return SendResponse(fd, admitted.status(), {}, {}, deadline);
   v1::ForwardRequest request;
   if (!request.ParseFromString(header)) {
     return SendResponse(fd,

@@ -4,7 +4,8 @@
 // the channel port, presents the ticket, and sends Forward requests as frames. A thread per
 // connection reads each request's payload straight into a pooled host buffer the backend has
 // registered (HostBufferPool), runs it through ExpertShardService::ServeForward (the same
-// validation, batching, load counting and metrics as Forward) with the output written into
+// admission quota, under the identity of the OpenTcpChannel call, validation, batching, load
+// counting and metrics as Forward) with the output written into
 // another pooled buffer, and sends the answer with one gathered write. Per request that is a TCP
 // round trip and the bytes, without HTTP/2 framing, protobuf copies of tensors or gRPC's thread
 // hand-offs.
@@ -82,10 +83,12 @@ class TcpChannelService final : public v1::TcpChannelShard::Service {
   TcpChannelService(ExpertShardService* shard, TcpChannelOptions options, int listener, int port);
   void AcceptLoop();
   void Serve(Connection* connection);
-  // Checks the hello; the error is sent to the peer and ends the connection.
-  absl::Status Hello(int fd);
-  // Serves one request; an error return (I/O, framing) ends the connection.
-  absl::Status ServeOne(int fd);
+  // Checks the hello; returns the identity (auth.h CallerIdentity) of the OpenTcpChannel call
+  // that issued the ticket. An error is sent to the peer and ends the connection.
+  absl::StatusOr<std::string> Hello(int fd);
+  // Serves one request of `identity` (under its admission quota); an error return (I/O,
+  // framing) ends the connection.
+  absl::Status ServeOne(int fd, const std::string& identity);
   // Joins finished connection threads.
   void Reap() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -98,7 +101,11 @@ class TcpChannelService final : public v1::TcpChannelShard::Service {
   mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::list<Connection> connections_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, absl::Time> tickets_ ABSL_GUARDED_BY(mu_);  // ticket -> expiry
+  struct Issued {
+    absl::Time expiry;
+    std::string identity;  // of the OpenTcpChannel caller
+  };
+  std::map<std::string, Issued> tickets_ ABSL_GUARDED_BY(mu_);
   std::thread acceptor_;
 };
 
