@@ -5,8 +5,9 @@
 // bound. The client identity is the authenticated token's name (auth.h CallerIdentity), else the
 // peer address.
 //
-// Callers: ExpertShardService::Forward / ForwardStream, RawForwardService (ForwardRaw) and
-// TcpChannelService (one ticket per request; ExpertShardService::AdmitCaller).
+// Callers: ExpertShardService::Forward / ForwardStream, RawForwardService (ForwardRaw),
+// ShmForwardService (Forward, ForwardCuda, channels) and TcpChannelService (one ticket per
+// request; ExpertShardService::AdmitCaller).
 // Thread-safety: Admit and stats may be called concurrently; a Ticket releases its slot when
 // destroyed (on any thread). Ownership: a Ticket borrows its controller, which must outlive it.
 #ifndef MOE_SERVER_SHARD_ADMISSION_H_

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
+#include "server/common/auth.h"
 #include "server/common/status.h"
 
 namespace moe {
@@ -63,8 +64,11 @@ grpc::Status ShmForwardService::UnregisterSharedMemory(
   return ToGrpcStatus(registry_.Unregister(req->region_id()));
 }
 
-grpc::Status ShmForwardService::Forward(grpc::ServerContext*, const v1::ShmForwardRequest* request,
+grpc::Status ShmForwardService::Forward(grpc::ServerContext* ctx,
+                                        const v1::ShmForwardRequest* request,
                                         v1::ForwardResponse* response) {
+  absl::StatusOr<AdmissionController::Ticket> ticket = shard_->AdmitCaller(CallerIdentity(*ctx));
+  if (!ticket.ok()) return ToGrpcStatus(ticket.status());
   return ToGrpcStatus(DoForward(*request, response));
 }
 
@@ -100,7 +104,7 @@ absl::Status ShmForwardService::DoForward(const v1::ShmForwardRequest& shm,
   return shard_->ServeForward(shm.request(), response, io);
 }
 
-grpc::Status ShmForwardService::OpenChannel(grpc::ServerContext*,
+grpc::Status ShmForwardService::OpenChannel(grpc::ServerContext* ctx,
                                             const v1::OpenChannelRequest* request,
                                             v1::OpenChannelResponse* response) {
   if (request->offset() % alignof(ShmChannelBlock) != 0) {
@@ -120,7 +124,11 @@ grpc::Status ShmForwardService::OpenChannel(grpc::ServerContext*,
   const std::string id = absl::StrCat("channel-", ++next_channel_);
   channels_[id] = std::make_unique<ShmChannelServer>(
       *std::move(lease), reinterpret_cast<ShmChannelBlock*>(block->data()),
-      [this](const v1::ShmForwardRequest& req, v1::ForwardResponse* resp) {
+      // Requests count against the quota of the client that opened the channel.
+      [this, identity = CallerIdentity(*ctx)](const v1::ShmForwardRequest& req,
+                                              v1::ForwardResponse* resp) -> absl::Status {
+        absl::StatusOr<AdmissionController::Ticket> ticket = shard_->AdmitCaller(identity);
+        if (!ticket.ok()) return ticket.status();
         return DoForward(req, resp);
       });
   response->set_channel_id(id);
@@ -145,9 +153,11 @@ grpc::Status ShmForwardService::CloseChannel(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status ShmForwardService::ForwardCuda(grpc::ServerContext*,
+grpc::Status ShmForwardService::ForwardCuda(grpc::ServerContext* ctx,
                                             const v1::CudaForwardRequest* request,
                                             v1::ForwardResponse* response) {
+  absl::StatusOr<AdmissionController::Ticket> ticket = shard_->AdmitCaller(CallerIdentity(*ctx));
+  if (!ticket.ok()) return ToGrpcStatus(ticket.status());
   return ToGrpcStatus(DoForwardCuda(*request, response));
 }
 
