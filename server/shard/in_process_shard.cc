@@ -20,6 +20,8 @@ absl::StatusOr<std::unique_ptr<InProcessShard>> InProcessShard::Start(
   executor.observer = options.observer;
   shard->service_ = std::make_unique<ExpertShardService>(shard->source_.get(),
                                                          shard->backend_.get(), executor);
+  shard->admission_ = std::make_unique<AdmissionController>(options.admission);
+  shard->service_->set_admission(shard->admission_.get());
   const ServedModel& model = shard->source_->model();
   if (absl::Status s = shard->service_->Activate(
           ShardPlacement::Standalone(model.num_layers, model.num_experts, 1));

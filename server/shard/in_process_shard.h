@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/backend.h"
+#include "server/shard/admission.h"
 #include "server/shard/model_source.h"
 #include "server/shard/observer.h"
 #include "server/shard/raw_forward.h"
@@ -41,6 +42,8 @@ struct InProcessShardOptions {
   HostBufferPoolOptions raw_buffers;
   // Also serve direct TCP channels (TcpChannelService) on 127.0.0.1, port 0.
   bool tcp_channel = true;
+  // Per-client and total bounds on Forward requests in flight (admission.h); zeros: none.
+  AdmissionOptions admission;
 };
 
 class InProcessShard {
@@ -55,6 +58,8 @@ class InProcessShard {
   ShmForwardService& shm() { return *shm_; }
   // Null unless InProcessShardOptions::tcp_channel.
   TcpChannelService* tcp() { return tcp_.get(); }
+  // The shard's admission controller (its bounds: InProcessShardOptions::admission).
+  AdmissionController& admission() { return *admission_; }
   // The backend the shard runs its batches on (benchmarks read its counters).
   const ExpertBackend& backend() const { return *backend_; }
 
@@ -63,6 +68,7 @@ class InProcessShard {
 
   std::unique_ptr<ModelWeightSource> source_;
   std::unique_ptr<ExpertBackend> backend_;
+  std::unique_ptr<AdmissionController> admission_;
   std::unique_ptr<ExpertShardService> service_;
   std::unique_ptr<RawForwardService> raw_;
   std::unique_ptr<ShmForwardService> shm_;

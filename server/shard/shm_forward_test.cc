@@ -25,7 +25,9 @@
 #include "moe/v1/shard.grpc.pb.h"
 #include "moe/v1/shm.grpc.pb.h"
 #include "server/model/generator.h"
+#include "client/raw_forward.h"
 #include "client/shm_channel.h"
+#include "client/tcp_channel.h"
 #include "server/common/shm_channel_layout.h"
 #include "server/shard/in_process_shard.h"
 
@@ -499,6 +501,60 @@ TEST_F(ShmForwardTest, ChannelSurvivesGarbage) {
   EXPECT_TRUE(Unregister("g").ok());
   munmap(mapped, block_region);
   shm_unlink(block_key.c_str());
+}
+
+// Every Forward path takes an admission ticket: with the shard's one slot in flight held by
+// another client, shared-memory Forward, a shm channel, ForwardCuda, ForwardRaw and a TCP channel
+// are all refused with RESOURCE_EXHAUSTED (the channels stay usable), and served once it is free.
+TEST_F(ShmForwardTest, EveryForwardPathTakesAnAdmissionTicket) {
+  InProcessShardOptions options;
+  options.model_dir = absl::StrCat(std::getenv("TEST_TMPDIR"), "/shm_forward_model");
+  options.admission.max_inflight_total = 1;
+  absl::StatusOr<std::unique_ptr<InProcessShard>> shard = InProcessShard::Start(options);
+  ASSERT_TRUE(shard.ok()) << shard.status();
+  auto channel = grpc::CreateChannel((*shard)->address(), grpc::InsecureChannelCredentials());
+  auto shm_stub = v1::SharedMemoryShard::NewStub(channel);
+  v1::RegisterSharedMemoryRequest reg;
+  reg.set_region_id("q");
+  reg.set_shm_key(key_);
+  reg.set_byte_size(kRegion);
+  v1::RegisterSharedMemoryResponse reg_resp;
+  ASSERT_TRUE(shm_stub->RegisterSharedMemory(Context().get(), reg, &reg_resp).ok());
+  std::string payload;
+  const v1::ShmForwardRequest shm = MakeRequest("q", &payload);
+  absl::StatusOr<std::unique_ptr<ShmChannel>> shm_channel = ShmChannel::Open(channel, 8192);
+  ASSERT_TRUE(shm_channel.ok()) << shm_channel.status();
+  std::memcpy((*shm_channel)->data().data(), payload.data(), kIn);
+  absl::StatusOr<std::unique_ptr<TcpChannel>> tcp = TcpChannel::Open(channel.get(), "127.0.0.1");
+  ASSERT_TRUE(tcp.ok()) << tcp.status();
+  std::vector<uint8_t> out(kOut);
+
+  // Each path, with the outcome it must have.
+  auto run_all = [&](absl::StatusCode want) {
+    v1::ForwardResponse resp;
+    EXPECT_EQ(static_cast<int>(shm_stub->Forward(Context().get(), shm, &resp).error_code()),
+              static_cast<int>(want));
+    v1::ShmForwardRequest on_channel = shm;  // ranges of the channel's data area
+    EXPECT_EQ((*shm_channel)->Forward(on_channel, &resp).code(), want);
+    absl::StatusOr<RawForwardReply> raw =
+        ForwardRaw(channel.get(), Context().get(), shm.request(), payload);
+    EXPECT_EQ(raw.status().code(), want) << raw.status();
+    EXPECT_EQ((*tcp)->Forward(shm.request(), payload, absl::MakeSpan(out)).status().code(), want);
+    if (want != absl::StatusCode::kOk) {
+      // Refused before the request is even looked at (a GPU-less shard would refuse it later).
+      v1::CudaForwardRequest cuda;
+      EXPECT_EQ(shm_stub->ForwardCuda(Context().get(), cuda, &resp).error_code(),
+                grpc::StatusCode::RESOURCE_EXHAUSTED);
+    }
+  };
+  {
+    absl::StatusOr<AdmissionController::Ticket> held = (*shard)->admission().Admit("another");
+    ASSERT_TRUE(held.ok());
+    run_all(absl::StatusCode::kResourceExhausted);
+  }
+  run_all(absl::StatusCode::kOk);
+  EXPECT_EQ((*shard)->admission().stats().rejected, 5u);
+  EXPECT_EQ((*shard)->admission().stats().in_flight, 0);
 }
 
 }  // namespace

@@ -288,53 +288,55 @@ absl::Status TcpChannelService::ServeOne(int fd, const std::string& identity) {
   if (absl::Status s = ReadExactly(fd, payload.data(), prefix.payload_len, deadline); !s.ok()) {
     return s;
   }
-  // The frame is read whole, so a refusal leaves the connection in step.
+  // The frame is read whole, so an error answer leaves the connection in step.
+  Answer answer;
+  const absl::Status status =
+      Handle(identity, header,
+             absl::string_view(reinterpret_cast<const char*>(payload.data()),
+                               static_cast<size_t>(prefix.payload_len)),
+             answer);
+  served_.fetch_add(1);
+  return SendResponse(fd, status, answer.header,
+                      absl::Span<const uint8_t>(answer.output.data(), answer.output_bytes),
+                      deadline);
+}
+
+absl::Status TcpChannelService::Handle(const std::string& identity, const std::string& header,
+                                       absl::string_view payload, Answer& answer) {
+  // The admission ticket is held until the answer is ready, not while it is sent.
   absl::StatusOr<AdmissionController::Ticket> admitted = shard_->AdmitCaller(identity);
-  if (!admitted.ok()) return SendResponse(fd, admitted.status(), {}, {}, deadline);
+  if (!admitted.ok()) return admitted.status();
   v1::ForwardRequest request;
   if (!request.ParseFromString(header)) {
-    return SendResponse(fd,
-                        absl::InvalidArgumentError(absl::StrCat(
-                            "tcp channel: request header (", header.size(),
-                            " bytes) is not a valid ForwardRequest")),
-                        {}, {}, deadline);
+    return absl::InvalidArgumentError(absl::StrCat("tcp channel: request header (", header.size(),
+                                                   " bytes) is not a valid ForwardRequest"));
   }
   if (!request.hidden_states().data().data().empty()) {
-    return SendResponse(fd,
-                        absl::InvalidArgumentError(
-                            "hidden_states.data.data: must be empty in a tcp channel request "
-                            "(the payload follows the header)"),
-                        {}, {}, deadline);
+    return absl::InvalidArgumentError(
+        "hidden_states.data.data: must be empty in a tcp channel request (the payload follows "
+        "the header)");
   }
   ForwardIo io;
-  io.hidden_payload = absl::string_view(reinterpret_cast<const char*>(payload.data()),
-                                        static_cast<size_t>(prefix.payload_len));
-  HostBufferPool::Lease output;
-  size_t output_bytes = 0;
+  io.hidden_payload = payload;
   io.output_buffer = [&](size_t bytes) -> absl::StatusOr<absl::Span<uint8_t>> {
-    output_bytes = bytes;
+    answer.output_bytes = bytes;
     if (bytes == 0) return absl::Span<uint8_t>();
-    output = pool_.Acquire(bytes);
-    if (output.empty()) {
+    answer.output = pool_.Acquire(bytes);
+    if (answer.output.empty()) {
       return absl::ResourceExhaustedError(
           absl::StrCat("tcp channel: no host memory for a ", bytes, "-byte output"));
     }
-    return absl::Span<uint8_t>(output.data(), bytes);
+    return absl::Span<uint8_t>(answer.output.data(), bytes);
   };
   v1::ForwardResponse response;
-  absl::Status status = shard_->ServeForward(request, &response, io);
-  std::string out_header;
-  if (status.ok()) {
-    out_header = response.SerializeAsString();
-    if (out_header.size() > kTcpMaxHeaderBytes) {
-      status = absl::ResourceExhaustedError(absl::StrCat(
-          "tcp channel: response header of ", out_header.size(), " bytes exceeds ",
-          kTcpMaxHeaderBytes));
-    }
+  if (absl::Status s = shard_->ServeForward(request, &response, io); !s.ok()) return s;
+  answer.header = response.SerializeAsString();
+  if (answer.header.size() > kTcpMaxHeaderBytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("tcp channel: response header of ",
+                                                     answer.header.size(), " bytes exceeds ",
+                                                     kTcpMaxHeaderBytes));
   }
-  served_.fetch_add(1);
-  return SendResponse(fd, status, out_header, absl::Span<const uint8_t>(output.data(), output_bytes),
-                      deadline);
+  return absl::OkStatus();
 }
 
 void TcpChannelService::Stop() {

@@ -89,6 +89,15 @@ class TcpChannelService final : public v1::TcpChannelShard::Service {
   // Serves one request of `identity` (under its admission quota); an error return (I/O,
   // framing) ends the connection.
   absl::Status ServeOne(int fd, const std::string& identity);
+  // What a request's answer carries: the ForwardResponse header and the output's pooled buffer.
+  struct Answer {
+    std::string header;
+    HostBufferPool::Lease output;
+    size_t output_bytes = 0;
+  };
+  // Admits, parses and runs one well-framed request of `identity`.
+  absl::Status Handle(const std::string& identity, const std::string& header,
+                      absl::string_view payload, Answer& answer);
   // Joins finished connection threads.
   void Reap() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
