@@ -5,7 +5,8 @@
 # machine's own network is untouched. The real binaries run there; the client checks the shards'
 # gRPC health from its namespace, sees the cluster map with the shards' namespace addresses,
 # cannot reach a shard through its own loopback (separate network stacks), and runs a short
-# verified workload (every output against the CPU reference, exact load counts).
+# verified workload (every output against the CPU reference, exact load counts), over gRPC and
+# again over direct TCP channels (the shards run --tcp_channel).
 #
 # Where network namespaces cannot be created (no CAP_SYS_ADMIN, no veth support), it prints
 # "SKIPPED: <why>" and exits 0. Namespaces and processes are removed on every exit.
@@ -85,7 +86,7 @@ COORDINATOR="${ADDR[coordinator]}:$(wait_port "$WORK/coordinator.port" "${PIDS[0
 for rank in 0 1; do
   ip netns exec "$TAG-shard$rank" "$SHARD_BIN" --model "$WORK/model" --coordinator "$COORDINATOR" \
     --host "${ADDR[shard$rank]}" --port 0 --port_file "$WORK/shard$rank.port" --rank "$rank" \
-    --backend cpu 2>"$WORK/shard$rank.log" &
+    --backend cpu --tcp_channel 2>"$WORK/shard$rank.log" &
   PIDS+=($!)
 done
 SHARD_ADDRESSES=()
@@ -114,4 +115,14 @@ in_ns client "$MOECTL" workload --coordinator "$COORDINATOR" --model "$WORK/mode
   --tokens 8 --clients 2 | tee "$WORK/workload.out"
 grep -q "coordinator load counts match the client's routed counts exactly" "$WORK/workload.out"
 grep -q "verified 24 forwards" "$WORK/workload.out"
-echo "PASS: coordinator, 2 shards and a client in 4 network namespaces"
+
+# The same over direct TCP channels: each shard's channel port, on its own address.
+in_ns client "$MOECTL" workload --coordinator "$COORDINATOR" --model "$WORK/model" --steps 24 \
+  --tokens 8 --clients 2 --transport tcp | tee "$WORK/workload_tcp.out"
+grep -q "coordinator load counts match the client's routed counts exactly" "$WORK/workload_tcp.out"
+grep -q "verified 24 forwards" "$WORK/workload_tcp.out"
+for rank in 0 1; do
+  grep -q "tcp channel: connection opened" "$WORK/shard$rank.log" ||
+    { echo "FAIL: shard $rank served no tcp channel"; exit 1; }
+done
+echo "PASS: coordinator, 2 shards and a client in 4 network namespaces (gRPC and TCP channels)"
