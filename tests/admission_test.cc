@@ -165,6 +165,16 @@ class AdmissionTest : public ::testing::Test {
     return stub.Forward(&ctx, request_, response);
   }
 
+  // Runs `stub`'s Forward on `thread` and waits until the backend holds it at the gate. False
+  // when it never got there (the thread is then joined; the outcome is in `status`).
+  bool StartHeld(v1::ExpertShard::Stub& stub, std::thread& thread, grpc::Status& status,
+                 v1::ForwardResponse& response) {
+    thread = std::thread([this, &stub, &status, &response] { status = Forward(stub, &response); });
+    if (backend_->WaitEntered(1)) return true;
+    thread.join();
+    return false;
+  }
+
   void ExpectReferenceOutput(const v1::ForwardResponse& response) {
     ASSERT_EQ(response.output().data().size(), expected_.view().NumBytes());
     std::vector<float> got(expected_.NumElements());
@@ -199,9 +209,8 @@ TEST_F(AdmissionTest, QuotasRefuseExcessAndShardKeepsServing) {
   auto alice = Client("tok-a");
   v1::ForwardResponse a_response, c_response;
   grpc::Status a_status, c_status;
-  std::thread a([&] { a_status = Forward(*alice, &a_response); });
-  if (!backend_->WaitEntered(1)) {  // alice's request is running (held at the gate)
-    a.join();
+  std::thread a;
+  if (!StartHeld(*alice, a, a_status, a_response)) {  // alice's request held at the gate
     FAIL() << "alice's request never reached the backend: " << a_status.error_code() << " "
            << a_status.error_message();
   }
@@ -264,9 +273,8 @@ TEST_F(AdmissionTest, RawAndTcpPathsShareTheQuota) {
   auto alice = Client("tok-a");
   v1::ForwardResponse a_response;
   grpc::Status a_status;
-  std::thread a([&] { a_status = Forward(*alice, &a_response); });
-  if (!backend_->WaitEntered(1)) {
-    a.join();
+  std::thread a;
+  if (!StartHeld(*alice, a, a_status, a_response)) {
     FAIL() << "alice's request never reached the backend: " << a_status.error_message();
   }
   grpc::ClientContext ctx;
@@ -295,9 +303,8 @@ TEST_F(AdmissionTest, ExpiredRequestIsDroppedNotRun) {
   auto alice = Client("tok-a");
   v1::ForwardResponse a_response;
   grpc::Status a_status;
-  std::thread a([&] { a_status = Forward(*alice, &a_response); });
-  if (!backend_->WaitEntered(1)) {
-    a.join();
+  std::thread a;
+  if (!StartHeld(*alice, a, a_status, a_response)) {
     FAIL() << "alice's request never reached the backend: " << a_status.error_code() << " "
            << a_status.error_message();
   }

@@ -1,6 +1,7 @@
 // ForwardRaw against an in-process shard: same answer as Forward, precise errors for malformed
 // frames and payloads, the oversize limit, and the shard still serving after each of them.
 #include "server/shard/raw_forward.h"
+#include "server/shard/test_requests.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -58,40 +59,9 @@ class RawForwardTest : public ::testing::Test {
     return ctx;
   }
 
-  // A BF16 request of kTokens tokens routed to experts (t % 8, (t + 3) % 8); the payload apart.
+  // A BF16 request of kTokens tokens (test_requests.h); the payload apart.
   static v1::ForwardRequest Header(std::string* payload) {
-    v1::ForwardRequest req;
-    req.set_layer(1);
-    req.set_request_id(42);
-    req.set_output_dtype(v1::F32);
-    v1::HiddenStates* hs = req.mutable_hidden_states();
-    hs->set_format(v1::ACTIVATION_BF16);
-    hs->mutable_data()->set_dtype(v1::BF16);
-    hs->mutable_data()->add_shape(kTokens);
-    hs->mutable_data()->add_shape(kHidden);
-    std::vector<uint16_t> x(kTokens * kHidden);
-    // BF16 of small varied values: sign/exponent 0x3c.. or 0xbc.., mantissa from the index.
-    for (size_t i = 0; i < x.size(); ++i) {
-      x[i] = static_cast<uint16_t>((i % 3 == 0 ? 0xbc00 : 0x3c00) | (i * 37 % 256));
-    }
-    payload->assign(reinterpret_cast<const char*>(x.data()), x.size() * 2);
-    std::vector<int32_t> ids;
-    std::vector<float> w;
-    for (int t = 0; t < kTokens; ++t) {
-      ids.insert(ids.end(), {t % 8, (t + 3) % 8});
-      w.insert(w.end(), {0.75f, 0.25f});
-    }
-    v1::Tensor* ti = req.mutable_topk_ids();
-    ti->set_dtype(v1::I32);
-    ti->add_shape(kTokens);
-    ti->add_shape(2);
-    ti->set_data(std::string(reinterpret_cast<const char*>(ids.data()), ids.size() * 4));
-    v1::Tensor* tw = req.mutable_topk_weights();
-    tw->set_dtype(v1::F32);
-    tw->add_shape(kTokens);
-    tw->add_shape(2);
-    tw->set_data(std::string(reinterpret_cast<const char*>(w.data()), w.size() * 4));
-    return req;
+    return RoutedBf16Header(kTokens, kHidden, payload);
   }
 
   // Sends a hand-made frame (bypassing the client's checks).

@@ -23,6 +23,7 @@
 #include "server/common/tcp_channel_frame.h"
 #include "server/model/generator.h"
 #include "server/shard/in_process_shard.h"
+#include "server/shard/test_requests.h"
 
 namespace moe {
 namespace {
@@ -54,40 +55,9 @@ class TcpChannelTest : public ::testing::Test {
     delete shard_;
   }
 
-  // A BF16 request of `tokens` tokens routed to experts (t % 8, (t + 3) % 8), F32 output; the
-  // payload apart.
+  // A BF16 request of `tokens` tokens (test_requests.h); the payload apart.
   static v1::ForwardRequest Header(int64_t tokens, std::string* payload) {
-    v1::ForwardRequest req;
-    req.set_layer(1);
-    req.set_request_id(7);
-    req.set_output_dtype(v1::F32);
-    v1::HiddenStates* hs = req.mutable_hidden_states();
-    hs->set_format(v1::ACTIVATION_BF16);
-    hs->mutable_data()->set_dtype(v1::BF16);
-    hs->mutable_data()->add_shape(tokens);
-    hs->mutable_data()->add_shape(kHidden);
-    std::vector<uint16_t> x(tokens * kHidden);
-    for (size_t i = 0; i < x.size(); ++i) {
-      x[i] = static_cast<uint16_t>((i % 3 == 0 ? 0xbc00 : 0x3c00) | (i * 29 % 256));
-    }
-    payload->assign(reinterpret_cast<const char*>(x.data()), x.size() * 2);
-    std::vector<int32_t> ids;
-    std::vector<float> w;
-    for (int t = 0; t < tokens; ++t) {
-      ids.insert(ids.end(), {t % 8, (t + 3) % 8});
-      w.insert(w.end(), {0.6f, 0.4f});
-    }
-    v1::Tensor* ti = req.mutable_topk_ids();
-    ti->set_dtype(v1::I32);
-    ti->add_shape(tokens);
-    ti->add_shape(2);
-    ti->set_data(std::string(reinterpret_cast<const char*>(ids.data()), ids.size() * 4));
-    v1::Tensor* tw = req.mutable_topk_weights();
-    tw->set_dtype(v1::F32);
-    tw->add_shape(tokens);
-    tw->add_shape(2);
-    tw->set_data(std::string(reinterpret_cast<const char*>(w.data()), w.size() * 4));
-    return req;
+    return RoutedBf16Header(tokens, kHidden, payload);
   }
 
   static std::unique_ptr<TcpChannel> OpenChannel() {
@@ -189,7 +159,7 @@ TEST_F(TcpChannelTest, SameOutputAsForwardRaw) {
       absl::StatusOr<v1::ForwardResponse> got = c->Forward(header, payload, absl::MakeSpan(out));
       ASSERT_TRUE(got.ok()) << got.status();
       EXPECT_EQ(std::string(out.begin(), out.end()), want->output);
-      EXPECT_EQ(got->request_id(), 7u);
+      EXPECT_EQ(got->request_id(), 42u);
       EXPECT_EQ(got->map_version(), 1u);
       EXPECT_EQ(got->batch_tokens(), static_cast<uint32_t>(tokens));
       EXPECT_TRUE(got->output().data().empty());
