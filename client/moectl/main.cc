@@ -41,6 +41,9 @@ ABSL_FLAG(int, tokens, 16, "workload/forward: tokens per forward");
 ABSL_FLAG(int, clients, 2, "workload: concurrent client threads");
 ABSL_FLAG(double, skew, 1.2, "workload: Zipf-like routing skew (0 = the router's own)");
 ABSL_FLAG(int, layer, 0, "forward: layer");
+ABSL_FLAG(bool, verify, true,
+          "workload: check every output against the CPU reference (false: for timing, calls "
+          "back to back; load counts are still compared)");
 ABSL_FLAG(std::string, transport, "raw",
           "workload/forward: raw (ForwardRaw frames) | proto (protobuf Forward) | tcp (direct TCP "
           "channels where the shards serve them: moe_shard --tcp_channel; raw elsewhere)");
@@ -77,7 +80,7 @@ constexpr char kUsage[] =
     "  forward   [--coordinator --layer --tokens --seed --transport raw|proto|tcp]\n"
     "                      send one random routed batch through the cluster, print a summary\n"
     "  workload  --model DIR [--coordinator --steps --tokens --clients --skew --seed\n"
-    "            --transport raw|proto|tcp]\n"
+    "            --transport raw|proto|tcp --verify]\n"
     "                      routed forwards over all layers, verified against the CPU reference\n";
 
 // --transport into the ForwardOptions fields it sets.
@@ -216,6 +219,7 @@ int Workload() {
   o.clients = absl::GetFlag(FLAGS_clients);
   o.skew = absl::GetFlag(FLAGS_skew);
   o.seed = absl::GetFlag(FLAGS_seed);
+  o.verify = absl::GetFlag(FLAGS_verify);
   if (o.model_dir.empty()) return Fail(absl::InvalidArgumentError("workload needs --model DIR"));
   if (absl::Status s = ParseTransport(&o.raw_transport, &o.tcp_channel); !s.ok()) return Fail(s);
   absl::StatusOr<WorkloadReport> r = RunWorkload(o, std::cout);
