@@ -9,6 +9,8 @@
 #include "client/client.h"
 #include "client/dispatch.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/impl/client_unary_call.h"
+#include "grpcpp/impl/rpc_method.h"
 #include "kernels/formats.h"
 #include "server/common/raw_frame.h"
 #include "server/common/status.h"
@@ -179,14 +181,23 @@ absl::StatusOr<ForwardResult> MoeClient::ForwardOnce(
     call->ctx.set_deadline(absl::ToChronoTime(deadline));
     calls.push_back(std::move(call));
   }
-  // gRPC calls first (they run on gRPC's threads), then every TCP request out before the first
-  // answer is read: all shards work at once.
-  int grpc_calls = 0;
+  // gRPC calls first, all but the last on gRPC's threads; then every TCP request goes out; then
+  // the last gRPC call runs on this thread (no hand-off to and from a callback thread on the
+  // critical path of a one-shard step); then the TCP answers are read. All shards work at once.
+  ShardCall* on_this_thread = nullptr;
   for (auto& call : calls) {
-    grpc_calls += call->via == ShardCall::Via::kProto || call->via == ShardCall::Via::kRaw;
+    if (call->via == ShardCall::Via::kProto || call->via == ShardCall::Via::kRaw) {
+      on_this_thread = call.get();
+    }
   }
-  absl::BlockingCounter pending(grpc_calls);
+  int async_calls = 0;
   for (auto& call : calls) {
+    async_calls += call.get() != on_this_thread &&
+                   (call->via == ShardCall::Via::kProto || call->via == ShardCall::Via::kRaw);
+  }
+  absl::BlockingCounter pending(async_calls);
+  for (auto& call : calls) {
+    if (call.get() == on_this_thread) continue;
     auto done = [&pending, c = call.get()](grpc::Status s) {
       c->status = FromGrpcStatus(s);
       pending.DecrementCount();
@@ -202,6 +213,16 @@ absl::StatusOr<ForwardResult> MoeClient::ForwardOnce(
   for (auto& call : calls) {
     if (call->via != ShardCall::Via::kTcp) continue;
     call->status = call->tcp->Send(call->request, call->tcp_payload, deadline);
+  }
+  if (on_this_thread != nullptr) {
+    ShardCall& c = *on_this_thread;
+    static const grpc::internal::RpcMethod* const raw_method =
+        new grpc::internal::RpcMethod(kForwardRawMethod, grpc::internal::RpcMethod::NORMAL_RPC);
+    c.status = FromGrpcStatus(
+        c.via == ShardCall::Via::kRaw
+            ? grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+                  c.stubs->channel.get(), *raw_method, &c.ctx, c.raw_request, &c.raw_response)
+            : c.stubs->stub->Forward(&c.ctx, c.request, &c.response));
   }
   for (auto& call : calls) {
     if (call->via != ShardCall::Via::kTcp) continue;
