@@ -7,7 +7,8 @@
 #
 #   bench/client_transport_bench.sh BUNDLE_TAR [BACKEND]   # BACKEND: cuda (default) or cpu
 #   env: SHARDS (2), TOKENS (1), STEPS (300), ROUNDS (2), TRANSPORTS ("raw tcp proto"),
-#        MODEL_FLAGS (moectl gen-model shape), OUT (logs; default /tmp/client_transport)
+#        MODEL_FLAGS (moectl gen-model shape), WORKLOAD_FLAGS (more moectl workload flags, e.g.
+#        --watch_map=false), OUT (logs; default /tmp/client_transport)
 set -u
 bundle="${1:?usage: $0 BUNDLE_TAR [cuda|cpu]}"
 backend="${2:-cuda}"
@@ -34,7 +35,7 @@ for ((round = 1; round <= ${ROUNDS:-2}; round++)); do
     log="$OUT/workload-$transport-$round.log"
     timeout 300 bin/moectl workload --coordinator 127.0.0.1:$port --model "$m" \
       --steps "${STEPS:-300}" --tokens "${TOKENS:-1}" --clients 1 --transport "$transport" \
-      --verify=false \
+      --verify=false ${WORKLOAD_FLAGS:-} \
       > "$log" 2>&1 || failed=1
     echo "$transport (round $round): $(grep -o 'latency.*' "$log")"
   done

@@ -87,6 +87,10 @@ ABSL_FLAG(bool, cuda_on_device, true,
 ABSL_FLAG(bool, pin_shm, true,
           "register the clients' shared-memory regions with the backend too (a CUDA backend "
           "pins them and reads and writes large batches in place; false: staged copies)");
+ABSL_FLAG(std::string, shard_address, "",
+          "benchmark this running shard (host:port; a standalone moe_shard) instead of an "
+          "in-process one: requests follow the model it reports (GetInfo), the shard-side columns "
+          "stay 0, and shm, channel and cuda modes need it on this host");
 ABSL_FLAG(int64_t, tcp_spin_us, -1,
           "tcp mode: how long the client polls for an answer before it blocks (TcpChannel::"
           "set_spin); -1 keeps the default");
@@ -433,9 +437,14 @@ double Percentile(std::vector<double>& v, double q) {
   return v[i];
 }
 
+// The backend's direct Runs so far (0 for a shard in another process: backend null).
+int64_t DirectRuns(const ExpertBackend* backend) {
+  return backend != nullptr ? GetCudaBackendCounters(*backend).direct_runs : 0;
+}
+
 // The shard's side of a case (BenchObserver since its Reset, the backend's direct Runs since
 // `direct_before`) into `r`.
-void TakeShardSide(BenchObserver& observer, const ExpertBackend& backend, int64_t direct_before,
+void TakeShardSide(BenchObserver& observer, const ExpertBackend* backend, int64_t direct_before,
                    CaseResult& r) {
   BenchObserver::Taken taken = observer.Take();
   r.shard_p50_us = Percentile(taken.forward_us, 0.5);
@@ -443,7 +452,7 @@ void TakeShardSide(BenchObserver& observer, const ExpertBackend& backend, int64_
   r.batches = static_cast<int64_t>(taken.batch_us.size());
   r.requests_per_batch =
       r.batches > 0 ? static_cast<double>(taken.batch_requests) / static_cast<double>(r.batches) : 0;
-  r.direct_runs = GetCudaBackendCounters(backend).direct_runs - direct_before;
+  r.direct_runs = DirectRuns(backend) - direct_before;
 }
 
 // The cuda mode's client process: the same requests as a Client of that many tokens (seed of
@@ -508,11 +517,11 @@ int RunCudaClient(const std::string& address, int64_t t, const RequestShape& sha
 
 // The cuda mode: runs RunCudaClient in a second process (this binary again) and reads its line.
 CaseResult RunCudaCase(const Case& c, const std::string& address, const RequestShape& shape,
-                       double seconds, BenchObserver& observer, const ExpertBackend& backend) {
+                       double seconds, BenchObserver& observer, const ExpertBackend* backend) {
   CaseResult r;
   r.c = c;
   r.payload_bytes = c.tokens * shape.hidden * 2;
-  const int64_t direct_before = GetCudaBackendCounters(backend).direct_runs;
+  const int64_t direct_before = DirectRuns(backend);
   const std::string command = absl::StrCat(
       "/proc/", getpid(), "/exe --cuda_client=", address, " --cuda_client_tokens=", c.tokens,
       " --seconds=", seconds, " --hidden=", shape.hidden, " --top_k=", shape.top_k,
@@ -548,9 +557,9 @@ CaseResult RunCudaCase(const Case& c, const std::string& address, const RequestS
 }
 
 CaseResult RunCase(const Case& c, const std::string& address, const RequestShape& shape,
-                   double seconds, BenchObserver& observer, const ExpertBackend& backend) {
+                   double seconds, BenchObserver& observer, const ExpertBackend* backend) {
   if (c.mode == "cuda") return RunCudaCase(c, address, shape, seconds, observer, backend);
-  const int64_t direct_before = GetCudaBackendCounters(backend).direct_runs;
+  const int64_t direct_before = DirectRuns(backend);
   CaseResult r;
   r.c = c;
   r.payload_bytes = c.tokens * shape.hidden * 2;
@@ -741,6 +750,97 @@ nlohmann::json ToJson(const CaseResult& r) {
           {"direct_runs", r.direct_runs}};
 }
 
+// The model the requests are shaped after, and where it came from.
+struct ServedShape {
+  int64_t hidden = 0, top_k = 0, experts = 0, intermediate = 0;
+  std::string backend, device;
+  bool generated = false;  // written by this run
+};
+
+// The in-process shard of a run and its model: in --model_dir (generated there once), or in a
+// temporary directory removed with it (a problem-A-sized layer is 1.7 GB).
+struct LocalShard {
+  ~LocalShard() {
+    shard.reset();
+    std::error_code ignored;
+    if (!temporary_dir.empty()) std::filesystem::remove_all(temporary_dir, ignored);
+  }
+  std::unique_ptr<InProcessShard> shard;
+  std::string temporary_dir;
+  ServedShape served;
+};
+
+absl::StatusOr<std::unique_ptr<LocalShard>> StartLocalShard(const RequestShape& shape,
+                                                            const std::string& format,
+                                                            BenchObserver* observer) {
+  auto local = std::make_unique<LocalShard>();
+  std::string dir = absl::GetFlag(FLAGS_model_dir);
+  if (dir.empty()) {
+    char dir_template[] = "/tmp/rpc_bench_XXXXXX";
+    if (mkdtemp(dir_template) == nullptr) return absl::InternalError("mkdtemp failed");
+    dir = local->temporary_dir = dir_template;
+  }
+  model::GenerateOptions gen;
+  gen.format = format == "nvfp4" ? WeightFormat::kNvfp4 : WeightFormat::kMxfp4;
+  gen.layers = 1;
+  gen.hidden = shape.hidden;
+  gen.experts = shape.experts;
+  gen.top_k = shape.top_k;
+  gen.intermediate = absl::GetFlag(FLAGS_intermediate);
+  const absl::Time gen_start = absl::Now();
+  local->served.generated = !std::filesystem::exists(std::filesystem::path(dir) / "config.json");
+  if (local->served.generated) {
+    if (absl::Status s = model::GenerateModel(gen, dir); !s.ok()) return s;
+    std::printf("model: %s, %lld experts, top-%lld, H=%lld, I=%lld (generated in %.1f s)\n",
+                format.c_str(), static_cast<long long>(gen.experts),
+                static_cast<long long>(gen.top_k), static_cast<long long>(gen.hidden),
+                static_cast<long long>(gen.intermediate),
+                absl::ToDoubleSeconds(absl::Now() - gen_start));
+  } else {
+    std::printf("model: the checkpoint in %s (its own shape; the model flags are not used)\n",
+                dir.c_str());
+  }
+  InProcessShardOptions options;
+  options.model_dir = dir;
+  options.backend = absl::GetFlag(FLAGS_backend);
+  options.max_batch_tokens = 1 << 20;
+  options.observer = observer;
+  options.pin_shared_memory = absl::GetFlag(FLAGS_pin_shm);
+  options.forward_cuda_on_device = absl::GetFlag(FLAGS_cuda_on_device);
+  options.raw_buffers.max_idle_bytes =
+      static_cast<size_t>(std::max<int64_t>(absl::GetFlag(FLAGS_raw_pool_mib), 0)) << 20;
+  absl::StatusOr<std::unique_ptr<InProcessShard>> shard = InProcessShard::Start(options);
+  if (!shard.ok()) return shard.status();
+  local->shard = *std::move(shard);
+  const ServedModel& model = local->shard->model();
+  local->served.hidden = model.hidden;
+  local->served.top_k = model.top_k;
+  local->served.experts = model.num_experts;
+  local->served.intermediate = model.intermediate;
+  local->served.backend = options.backend;
+  return local;
+}
+
+// The shape of the model a running shard serves (GetInfo).
+absl::StatusOr<ServedShape> AskShard(const std::string& address) {
+  auto stub = v1::ExpertShard::NewStub(NewChannel(address));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  v1::ShardInfo info;
+  if (grpc::Status s = stub->GetInfo(&ctx, v1::GetInfoRequest(), &info); !s.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("GetInfo from ", address, ": ", s.error_message()));
+  }
+  ServedShape served;
+  served.hidden = info.hidden_size();
+  served.top_k = info.top_k();
+  served.experts = info.num_experts();
+  served.intermediate = info.intermediate_size();
+  served.backend = info.backend();
+  served.device = info.device();
+  return served;
+}
+
 int Main() {
   const bool tuned = absl::GetFlag(FLAGS_tune_allocator) && TuneAllocatorForLargeBuffers();
   const int64_t hidden = absl::GetFlag(FLAGS_hidden);
@@ -763,68 +863,38 @@ int Main() {
     std::fprintf(stderr, "rpc_bench: need 1 <= --top_k <= --experts\n");
     return 2;
   }
-  // The model: in --model_dir (generated there once), or in a temporary directory removed at
-  // exit (a problem-A-sized layer is 1.7 GB).
-  std::string dir = absl::GetFlag(FLAGS_model_dir);
-  const bool temporary = dir.empty();
-  if (temporary) {
-    char dir_template[] = "/tmp/rpc_bench_XXXXXX";
-    if (mkdtemp(dir_template) == nullptr) {
-      std::perror("rpc_bench: mkdtemp");
-      return 1;
-    }
-    dir = dir_template;
-  }
-  struct RemoveAtExit {
-    std::string path;
-    ~RemoveAtExit() {
-      std::error_code ignored;
-      if (!path.empty()) std::filesystem::remove_all(path, ignored);
-    }
-  } remove_at_exit{temporary ? dir : std::string()};
-  model::GenerateOptions gen;
-  gen.format = format == "nvfp4" ? WeightFormat::kNvfp4 : WeightFormat::kMxfp4;
-  gen.layers = 1;
-  gen.hidden = hidden;
-  gen.experts = shape.experts;
-  gen.top_k = shape.top_k;
-  gen.intermediate = absl::GetFlag(FLAGS_intermediate);
-  const absl::Time gen_start = absl::Now();
-  const bool generate = !std::filesystem::exists(std::filesystem::path(dir) / "config.json");
-  if (generate) {
-    if (absl::Status s = model::GenerateModel(gen, dir); !s.ok()) {
-      std::fprintf(stderr, "rpc_bench: cannot generate the model: %s\n", s.ToString().c_str());
-      return 1;
-    }
-    std::printf("model: %s, %lld experts, top-%lld, H=%lld, I=%lld (generated in %.1f s)\n",
-                format.c_str(), static_cast<long long>(gen.experts),
-                static_cast<long long>(gen.top_k), static_cast<long long>(gen.hidden),
-                static_cast<long long>(gen.intermediate),
-                absl::ToDoubleSeconds(absl::Now() - gen_start));
-  } else {
-    std::printf("model: the checkpoint in %s (its own shape; the model flags are not used)\n",
-                dir.c_str());
-  }
   BenchObserver observer;
-  InProcessShardOptions options;
-  options.model_dir = dir;
-  options.backend = absl::GetFlag(FLAGS_backend);
-  options.max_batch_tokens = 1 << 20;
-  options.observer = &observer;
-  options.pin_shared_memory = absl::GetFlag(FLAGS_pin_shm);
-  options.forward_cuda_on_device = absl::GetFlag(FLAGS_cuda_on_device);
-  options.raw_buffers.max_idle_bytes =
-      static_cast<size_t>(std::max<int64_t>(absl::GetFlag(FLAGS_raw_pool_mib), 0)) << 20;
-  absl::StatusOr<std::unique_ptr<InProcessShard>> shard = InProcessShard::Start(options);
-  if (!shard.ok()) {
-    std::fprintf(stderr, "rpc_bench: %s\n", shard.status().ToString().c_str());
-    return 1;
+  std::unique_ptr<LocalShard> local;
+  ServedShape served;
+  std::string address = absl::GetFlag(FLAGS_shard_address);
+  if (address.empty()) {
+    absl::StatusOr<std::unique_ptr<LocalShard>> started = StartLocalShard(shape, format, &observer);
+    if (!started.ok()) {
+      std::fprintf(stderr, "rpc_bench: %s\n", started.status().ToString().c_str());
+      return 1;
+    }
+    local = *std::move(started);
+    address = local->shard->address();
+    served = local->served;
+  } else {
+    absl::StatusOr<ServedShape> remote = AskShard(address);
+    if (!remote.ok()) {
+      std::fprintf(stderr, "rpc_bench: %s\n", remote.status().ToString().c_str());
+      return 1;
+    }
+    served = *remote;
+    std::printf("shard at %s: %s on %s, %lld experts, top-%lld, H=%lld, I=%lld (shard-side "
+                "columns stay 0)\n",
+                address.c_str(), served.backend.c_str(), served.device.c_str(),
+                static_cast<long long>(served.experts), static_cast<long long>(served.top_k),
+                static_cast<long long>(served.hidden),
+                static_cast<long long>(served.intermediate));
   }
   // Requests follow the served model (a --model_dir checkpoint has its own shape).
-  const ServedModel& served = (*shard)->model();
   shape.hidden = served.hidden;
   shape.top_k = served.top_k;
-  shape.experts = served.num_experts;
+  shape.experts = served.experts;
+  const ExpertBackend* backend = local != nullptr ? &local->shard->backend() : nullptr;
   const double tcp_gbps = TcpLoopbackGbps(64 << 20, 16);
   const double tcp_rtt_us = TcpRoundTripUs(64, 4000);
   std::printf("raw TCP loopback (64 MiB buffers): %.2f GB/s; 64-byte round trip %.1f us\n",
@@ -840,8 +910,8 @@ int Main() {
       for (absl::string_view mode : absl::StrSplit(absl::GetFlag(FLAGS_modes), ',')) {
         if (mode == "cuda" && n > 1) continue;  // one client process only
         const CaseResult r =
-            RunCase({std::string(mode), t, static_cast<int>(n)}, (*shard)->address(), shape,
-                    absl::GetFlag(FLAGS_seconds), observer, (*shard)->backend());
+            RunCase({std::string(mode), t, static_cast<int>(n)}, address, shape,
+                    absl::GetFlag(FLAGS_seconds), observer, backend);
         std::printf(
             "%-7s %8lld %10lld %7d %7lld %6lld %10.1f %10.1f %10.1f %10.1f %6.2f %8.3f %7lld %s\n",
             r.c.mode.c_str(), static_cast<long long>(t), static_cast<long long>(r.payload_bytes),
@@ -861,15 +931,16 @@ int Main() {
       {"experts", shape.experts},
       {"top_k", shape.top_k},
       {"intermediate", served.intermediate},
-      {"model_generated", generate},
-      {"format", generate ? format : std::string("as in the checkpoint")},
+      {"model_generated", served.generated},
+      {"format", served.generated ? format : std::string("as in the checkpoint")},
+      {"shard_address", absl::GetFlag(FLAGS_shard_address)},
       {"cpus", std::thread::hardware_concurrency()},
-      {"backend", options.backend},
-      {"pin_shm", options.pin_shared_memory},
-      {"cuda_on_device", options.forward_cuda_on_device},
+      {"backend", served.backend},
+      {"pin_shm", absl::GetFlag(FLAGS_pin_shm)},
+      {"cuda_on_device", absl::GetFlag(FLAGS_cuda_on_device)},
       {"tcp_round_trip_us", tcp_rtt_us},
       {"tcp_spin_us", absl::GetFlag(FLAGS_tcp_spin_us)},
-      {"raw_pool_mib", options.raw_buffers.max_idle_bytes >> 20},
+      {"raw_pool_mib", absl::GetFlag(FLAGS_raw_pool_mib)},
       {"allocator_tuned", tuned},
       {"channel_spin_us", absl::GetFlag(FLAGS_channel_spin_us) >= 0
                               ? absl::GetFlag(FLAGS_channel_spin_us)

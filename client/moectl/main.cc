@@ -41,6 +41,9 @@ ABSL_FLAG(int, tokens, 16, "workload/forward: tokens per forward");
 ABSL_FLAG(int, clients, 2, "workload: concurrent client threads");
 ABSL_FLAG(double, skew, 1.2, "workload: Zipf-like routing skew (0 = the router's own)");
 ABSL_FLAG(int, layer, 0, "forward: layer");
+ABSL_FLAG(bool, watch_map, true,
+          "workload: keep the cluster map current with a WatchClusterMap stream (false: refresh "
+          "it only when a shard answers that the map is stale)");
 ABSL_FLAG(bool, verify, true,
           "workload: check every output against the CPU reference (false: for timing, calls "
           "back to back; load counts are still compared)");
@@ -80,7 +83,7 @@ constexpr char kUsage[] =
     "  forward   [--coordinator --layer --tokens --seed --transport raw|proto|tcp]\n"
     "                      send one random routed batch through the cluster, print a summary\n"
     "  workload  --model DIR [--coordinator --steps --tokens --clients --skew --seed\n"
-    "            --transport raw|proto|tcp --verify]\n"
+    "            --transport raw|proto|tcp --verify --watch_map]\n"
     "                      routed forwards over all layers, verified against the CPU reference\n";
 
 // --transport into the ForwardOptions fields it sets.
@@ -220,6 +223,7 @@ int Workload() {
   o.skew = absl::GetFlag(FLAGS_skew);
   o.seed = absl::GetFlag(FLAGS_seed);
   o.verify = absl::GetFlag(FLAGS_verify);
+  o.watch_map = absl::GetFlag(FLAGS_watch_map);
   if (o.model_dir.empty()) return Fail(absl::InvalidArgumentError("workload needs --model DIR"));
   if (absl::Status s = ParseTransport(&o.raw_transport, &o.tcp_channel); !s.ok()) return Fail(s);
   absl::StatusOr<WorkloadReport> r = RunWorkload(o, std::cout);

@@ -182,8 +182,11 @@ absl::StatusOr<WorkloadReport> RunWorkload(const WorkloadOptions& o, std::ostrea
   if (!m.ok()) return m.status();
   absl::StatusOr<std::vector<LayerFixture>> fixtures = LoadFixtures(**m, o);
   if (!fixtures.ok()) return fixtures.status();
+  ClientOptions client_options;
+  client_options.coordinator = o.coordinator;
+  client_options.watch_map = o.watch_map;
   absl::StatusOr<std::unique_ptr<MoeClient>> client =
-      MoeClient::Connect({o.coordinator}, o.connect_wait);
+      MoeClient::Connect(client_options, o.connect_wait);
   if (!client.ok()) return client.status();
   // Counts before the run, so a cluster that already served traffic can be checked too.
   absl::StatusOr<v1::LoadStats> before = (*client)->GetLoadStats(/*refresh=*/true);

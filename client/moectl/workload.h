@@ -30,6 +30,9 @@ struct WorkloadOptions {
   // direct TCP channels where the shards serve them.
   bool raw_transport = true;
   bool tcp_channel = false;
+  // Keep the map current with WatchClusterMap (ClientOptions::watch_map); false: refresh it only
+  // on a stale-map answer.
+  bool watch_map = true;
   absl::Duration connect_wait = absl::Seconds(60);
 };
 
