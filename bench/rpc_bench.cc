@@ -60,6 +60,7 @@
 #include "moe/v1/shm.grpc.pb.h"
 #include "nlohmann/json.hpp"
 #include "server/common/large_buffers.h"
+#include "server/common/tcp_channel_frame.h"
 #include "server/model/generator.h"
 #include "server/shard/in_process_shard.h"
 
@@ -650,24 +651,14 @@ std::pair<int, int> LoopbackPair() {
   return {client, server};
 }
 
+// Blocking socket transfers (server/common/tcp_channel_frame.h) as bools.
 bool ReadFully(int fd, char* p, int64_t n) {
-  while (n > 0) {
-    const ssize_t got = read(fd, p, n);
-    if (got <= 0) return false;
-    p += got;
-    n -= got;
-  }
-  return true;
+  return ReadExactly(fd, p, static_cast<size_t>(n), absl::InfiniteFuture()).ok();
 }
 
 bool WriteFully(int fd, const char* p, int64_t n) {
-  while (n > 0) {
-    const ssize_t sent = write(fd, p, n);
-    if (sent <= 0) return false;
-    p += sent;
-    n -= sent;
-  }
-  return true;
+  iovec iov{const_cast<char*>(p), static_cast<size_t>(n)};
+  return WriteAll(fd, &iov, 1, absl::InfiniteFuture()).ok();
 }
 
 // Raw TCP loopback: one connection, a writer pushing `buffer_bytes` buffers `rounds` times and a

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "moe/v1/tcp.grpc.pb.h"
+#include "server/common/status.h"
 #include "server/common/tcp_channel_frame.h"
 
 namespace moe {
@@ -23,10 +24,6 @@ namespace {
 
 // Largest answer Receive takes into a string (the shards' message limit is 256 MiB).
 constexpr uint64_t kMaxReceiveBytes = uint64_t{1} << 30;
-
-absl::Status FromGrpc(const grpc::Status& s) {
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
-}
 
 // A connected blocking TCP socket to host:port with TCP_NODELAY, within `deadline`.
 absl::StatusOr<int> Connect(const std::string& host, uint32_t port, absl::Time deadline) {
@@ -112,7 +109,7 @@ absl::StatusOr<std::unique_ptr<TcpChannel>> TcpChannel::Open(grpc::ChannelInterf
       return absl::UnimplementedError(
           "tcp channel: the shard does not serve TCP channels (moe_shard --tcp_channel)");
     }
-    return FromGrpc(s);
+    return FromGrpcStatus(s);
   }
   if (opened.ticket().size() != kTcpChannelTicketBytes || opened.port() == 0 ||
       opened.port() > 65535) {

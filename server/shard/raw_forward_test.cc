@@ -1,23 +1,20 @@
 // ForwardRaw against an in-process shard: same answer as Forward, precise errors for malformed
 // frames and payloads, the oversize limit, and the shard still serving after each of them.
 #include "server/shard/raw_forward.h"
-#include "server/shard/test_requests.h"
+#include "server/shard/transport_test_util.h"
 
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/raw_forward.h"
 #include "grpcpp/impl/client_unary_call.h"
 #include "gtest/gtest.h"
 #include "moe/v1/shard.grpc.pb.h"
 #include "server/common/raw_frame.h"
-#include "server/model/generator.h"
 #include "server/shard/in_process_shard.h"
 #include "server/shard/model_source.h"
 #include "server/shard/raw_forward.h"
@@ -28,18 +25,15 @@ namespace {
 constexpr int64_t kHidden = 128;
 constexpr int64_t kTokens = 5;
 constexpr int64_t kMaxMessage = 1 << 20;
+constexpr char kModel[] = "raw_forward_model";
 
 class RawForwardTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    const std::string dir = absl::StrCat(std::getenv("TEST_TMPDIR"), "/raw_forward_model");
-    model::GenerateOptions gen;
-    gen.hidden = kHidden;
-    ASSERT_TRUE(model::GenerateModel(gen, dir).ok());
     InProcessShardOptions options;
-    options.model_dir = dir;
     options.max_message_bytes = kMaxMessage;
-    absl::StatusOr<std::unique_ptr<InProcessShard>> shard = InProcessShard::Start(options);
+    absl::StatusOr<std::unique_ptr<InProcessShard>> shard =
+        StartTestShard(kModel, kHidden, options);
     ASSERT_TRUE(shard.ok()) << shard.status();
     shard_ = shard->release();
     grpc::ChannelArguments args;
@@ -59,7 +53,7 @@ class RawForwardTest : public ::testing::Test {
     return ctx;
   }
 
-  // A BF16 request of kTokens tokens (test_requests.h); the payload apart.
+  // A BF16 request of kTokens tokens (transport_test_util.h); the payload apart.
   static v1::ForwardRequest Header(std::string* payload) {
     return RoutedBf16Header(kTokens, kHidden, payload);
   }
@@ -221,8 +215,9 @@ class RegistrationRecordingBackend final : public ExpertBackend {
 // A payload that arrives in pieces is gathered into a pooled, registered buffer and the output is
 // written into one; both are reused by the next call; the answers equal the one-piece frame's.
 TEST_F(RawForwardTest, PayloadAndOutputUseRegisteredPooledBuffers) {
-  const std::string dir = absl::StrCat(std::getenv("TEST_TMPDIR"), "/raw_forward_model");
-  absl::StatusOr<std::unique_ptr<ModelWeightSource>> source = ModelWeightSource::Open(dir);
+  absl::StatusOr<std::string> dir = TestModelDir(kModel, kHidden);
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  absl::StatusOr<std::unique_ptr<ModelWeightSource>> source = ModelWeightSource::Open(*dir);
   ASSERT_TRUE(source.ok()) << source.status();
   absl::StatusOr<std::unique_ptr<ExpertBackend>> reference = CreateBackend("cpu-reference");
   ASSERT_TRUE(reference.ok());

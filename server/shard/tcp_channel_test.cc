@@ -7,41 +7,35 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/raw_forward.h"
 #include "client/tcp_channel.h"
 #include "gtest/gtest.h"
 #include "moe/v1/tcp.grpc.pb.h"
 #include "server/common/tcp_channel_frame.h"
-#include "server/model/generator.h"
 #include "server/shard/in_process_shard.h"
-#include "server/shard/test_requests.h"
+#include "server/shard/transport_test_util.h"
 
 namespace moe {
 namespace {
 
 constexpr int64_t kHidden = 128;
 constexpr int64_t kMaxMessage = 1 << 20;
+constexpr char kModel[] = "tcp_channel_model";
 
 class TcpChannelTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    const std::string dir = absl::StrCat(std::getenv("TEST_TMPDIR"), "/tcp_channel_model");
-    model::GenerateOptions gen;
-    gen.hidden = kHidden;
-    ASSERT_TRUE(model::GenerateModel(gen, dir).ok());
     InProcessShardOptions options;
-    options.model_dir = dir;
     options.max_message_bytes = kMaxMessage;
-    absl::StatusOr<std::unique_ptr<InProcessShard>> shard = InProcessShard::Start(options);
+    absl::StatusOr<std::unique_ptr<InProcessShard>> shard =
+        StartTestShard(kModel, kHidden, options);
     ASSERT_TRUE(shard.ok()) << shard.status();
     shard_ = shard->release();
     ASSERT_NE(shard_->tcp(), nullptr);
@@ -55,7 +49,7 @@ class TcpChannelTest : public ::testing::Test {
     delete shard_;
   }
 
-  // A BF16 request of `tokens` tokens (test_requests.h); the payload apart.
+  // A BF16 request of `tokens` tokens (transport_test_util.h); the payload apart.
   static v1::ForwardRequest Header(int64_t tokens, std::string* payload) {
     return RoutedBf16Header(tokens, kHidden, payload);
   }
@@ -307,11 +301,10 @@ TEST_F(TcpChannelTest, FramingErrorsEndTheConnection) {
 }
 
 TEST_F(TcpChannelTest, ClientWithoutShardSupportGetsUnimplemented) {
-  const std::string dir = absl::StrCat(std::getenv("TEST_TMPDIR"), "/tcp_channel_model");
   InProcessShardOptions options;
-  options.model_dir = dir;
   options.tcp_channel = false;
-  absl::StatusOr<std::unique_ptr<InProcessShard>> plain = InProcessShard::Start(options);
+  absl::StatusOr<std::unique_ptr<InProcessShard>> plain =
+      StartTestShard(kModel, kHidden, options);
   ASSERT_TRUE(plain.ok()) << plain.status();
   auto ch = grpc::CreateChannel((*plain)->address(), grpc::InsecureChannelCredentials());
   absl::StatusOr<std::unique_ptr<TcpChannel>> c = TcpChannel::Open(ch.get(), "127.0.0.1");
@@ -319,10 +312,7 @@ TEST_F(TcpChannelTest, ClientWithoutShardSupportGetsUnimplemented) {
 }
 
 TEST_F(TcpChannelTest, StopClosesOpenConnections) {
-  const std::string dir = absl::StrCat(std::getenv("TEST_TMPDIR"), "/tcp_channel_model");
-  InProcessShardOptions options;
-  options.model_dir = dir;
-  absl::StatusOr<std::unique_ptr<InProcessShard>> own = InProcessShard::Start(options);
+  absl::StatusOr<std::unique_ptr<InProcessShard>> own = StartTestShard(kModel, kHidden);
   ASSERT_TRUE(own.ok()) << own.status();
   auto ch = grpc::CreateChannel((*own)->address(), grpc::InsecureChannelCredentials());
   absl::StatusOr<std::unique_ptr<TcpChannel>> c = TcpChannel::Open(ch.get(), "127.0.0.1");

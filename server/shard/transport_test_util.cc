@@ -1,6 +1,11 @@
-#include "server/shard/test_requests.h"
+#include "server/shard/transport_test_util.h"
 
+#include <cstdlib>
+#include <filesystem>
 #include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "server/model/generator.h"
 
 namespace moe {
 namespace {
@@ -13,6 +18,25 @@ void SetRoutes(v1::Tensor* t, v1::DType dtype, int64_t tokens, const void* data,
 }
 
 }  // namespace
+
+absl::StatusOr<std::string> TestModelDir(const std::string& name, int64_t hidden) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", name);
+  if (std::filesystem::exists(std::filesystem::path(dir) / "config.json")) return dir;
+  model::GenerateOptions gen;
+  gen.hidden = hidden;
+  if (absl::Status s = model::GenerateModel(gen, dir); !s.ok()) return s;
+  return dir;
+}
+
+absl::StatusOr<std::unique_ptr<InProcessShard>> StartTestShard(const std::string& name,
+                                                               int64_t hidden,
+                                                               InProcessShardOptions options) {
+  absl::StatusOr<std::string> dir = TestModelDir(name, hidden);
+  if (!dir.ok()) return dir.status();
+  options.model_dir = *dir;
+  return InProcessShard::Start(options);
+}
 
 v1::ForwardRequest RoutedBf16Header(int64_t tokens, int64_t hidden, std::string* payload) {
   v1::ForwardRequest req;
