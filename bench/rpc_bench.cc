@@ -101,6 +101,10 @@ ABSL_FLAG(int64_t, raw_pool_mib, 256,
 ABSL_FLAG(std::string, model_dir, "",
           "use the checkpoint in this directory, generating it there first when it has no "
           "config.json (kept afterwards); empty: a temporary directory, removed at exit");
+ABSL_FLAG(std::string, think_us, "0",
+          "microseconds each client sleeps between its calls, comma-separated (each value a case "
+          "of its own; not the cuda mode): a frontend's own work between two layers, during which "
+          "the shard's threads go idle, so the figures include their wake-ups");
 ABSL_FLAG(double, seconds, 1.0, "timed seconds per case (at least 3 calls per client)");
 ABSL_FLAG(int64_t, max_inflight_mib, 128, "skip cases where clients * payload exceeds this");
 ABSL_FLAG(std::string, backend, "cpu",
@@ -137,6 +141,7 @@ struct Case {
   std::string mode;
   int64_t tokens = 0;
   int clients = 0;
+  int64_t think_us = 0;  // pause after each call (not timed)
 };
 
 struct CaseResult {
@@ -595,6 +600,7 @@ CaseResult RunCase(const Case& c, const std::string& address, const RequestShape
         } else if (errors++ == 0) {
           first_error = s.ToString();
         }
+        if (c.think_us > 0) absl::SleepFor(absl::Microseconds(c.think_us));
       }
       absl::MutexLock lock(&mu);
       latencies_us.insert(latencies_us.end(), mine.begin(), mine.end());
@@ -731,6 +737,7 @@ std::string Today() {
 
 nlohmann::json ToJson(const CaseResult& r) {
   return {{"mode", r.c.mode},          {"tokens", r.c.tokens},
+          {"think_us", r.c.think_us},
           {"clients", r.c.clients},    {"payload_bytes", r.payload_bytes},
           {"calls", r.calls},          {"errors", r.errors},
           {"first_error", r.first_error}, {"wall_s", r.wall_s},
@@ -890,27 +897,31 @@ int Main() {
   const double tcp_rtt_us = TcpRoundTripUs(64, 4000);
   std::printf("raw TCP loopback (64 MiB buffers): %.2f GB/s; 64-byte round trip %.1f us\n",
               tcp_gbps, tcp_rtt_us);
-  std::printf("%-7s %8s %10s %7s %7s %6s %10s %10s %10s %10s %6s %8s %7s\n", "mode", "tokens",
-              "payload", "clients", "calls", "errors", "p50_us", "p99_us", "shard_p50",
-              "batch_p50", "req/b", "GB/s", "direct");
+  std::printf("%-7s %8s %10s %7s %6s %7s %6s %10s %10s %10s %10s %6s %8s %7s\n", "mode",
+              "tokens", "payload", "clients", "think", "calls", "errors", "p50_us", "p99_us",
+              "shard_p50", "batch_p50", "req/b", "GB/s", "direct");
   nlohmann::json cases = nlohmann::json::array();
   const int64_t cap = absl::GetFlag(FLAGS_max_inflight_mib) << 20;
   for (int64_t t : ParseList(absl::GetFlag(FLAGS_tokens))) {
     for (int64_t n : ParseList(absl::GetFlag(FLAGS_clients))) {
       if (n > 1 && n * t * shape.hidden * 2 > cap) continue;
-      for (absl::string_view mode : absl::StrSplit(absl::GetFlag(FLAGS_modes), ',')) {
-        if (mode == "cuda" && n > 1) continue;  // one client process only
-        const CaseResult r =
-            RunCase({std::string(mode), t, static_cast<int>(n)}, address, shape,
-                    absl::GetFlag(FLAGS_seconds), observer, backend);
-        std::printf(
-            "%-7s %8lld %10lld %7d %7lld %6lld %10.1f %10.1f %10.1f %10.1f %6.2f %8.3f %7lld %s\n",
-            r.c.mode.c_str(), static_cast<long long>(t), static_cast<long long>(r.payload_bytes),
-            r.c.clients, static_cast<long long>(r.calls), static_cast<long long>(r.errors),
-            r.p50_us, r.p99_us, r.shard_p50_us, r.batch_p50_us, r.requests_per_batch,
-            r.effective_gbps, static_cast<long long>(r.direct_runs), r.first_error.c_str());
-        std::fflush(stdout);
-        cases.push_back(ToJson(r));
+      for (int64_t think : ParseList(absl::GetFlag(FLAGS_think_us))) {
+        for (absl::string_view mode : absl::StrSplit(absl::GetFlag(FLAGS_modes), ',')) {
+          if (mode == "cuda" && (n > 1 || think > 0)) continue;  // one client process, no pause
+          const CaseResult r =
+              RunCase({std::string(mode), t, static_cast<int>(n), think}, address, shape,
+                      absl::GetFlag(FLAGS_seconds), observer, backend);
+          std::printf("%-7s %8lld %10lld %7d %6lld %7lld %6lld %10.1f %10.1f %10.1f %10.1f %6.2f "
+                      "%8.3f %7lld %s\n",
+                      r.c.mode.c_str(), static_cast<long long>(t),
+                      static_cast<long long>(r.payload_bytes), r.c.clients,
+                      static_cast<long long>(think), static_cast<long long>(r.calls),
+                      static_cast<long long>(r.errors), r.p50_us, r.p99_us, r.shard_p50_us,
+                      r.batch_p50_us, r.requests_per_batch, r.effective_gbps,
+                      static_cast<long long>(r.direct_runs), r.first_error.c_str());
+          std::fflush(stdout);
+          cases.push_back(ToJson(r));
+        }
       }
     }
   }
