@@ -71,14 +71,12 @@ absl::StatusOr<int> Connect(const std::string& host, uint32_t port, absl::Time d
 
 // Reads a response's error message (prefix already read) and turns it into the status.
 absl::Status ReadError(int fd, const TcpFramePrefix& prefix, absl::Time deadline) {
-  if (prefix.header_len > kTcpMaxHeaderBytes || prefix.payload_len != 0 || prefix.word > 16) {
-    return absl::InternalError("tcp channel: malformed error response from the shard");
-  }
+  if (absl::Status s = CheckTcpResponsePrefix(prefix); !s.ok()) return s;
   std::string message(prefix.header_len, '\0');
   if (absl::Status s = ReadExactly(fd, message.data(), message.size(), deadline); !s.ok()) {
     return s;
   }
-  return absl::Status(static_cast<absl::StatusCode>(prefix.word), message);
+  return TcpErrorStatus(prefix, std::move(message));
 }
 
 // Reads and drops `n` bytes.
@@ -270,10 +268,8 @@ absl::StatusOr<v1::ForwardResponse> TcpChannel::ReceiveLocked(const OutputSink& 
   uint8_t raw[kTcpPrefixBytes];
   if (absl::Status s = ReadPrefix(raw, deadline); !s.ok()) return s;
   const TcpFramePrefix prefix = DecodeTcpPrefix(raw);
+  if (absl::Status s = CheckTcpResponsePrefix(prefix); !s.ok()) return s;
   if (prefix.word != 0) return ReadError(fd_, prefix, deadline);
-  if (prefix.header_len > kTcpMaxHeaderBytes) {
-    return absl::InternalError("tcp channel: response header over the limit");
-  }
   scratch_.resize(prefix.header_len);
   if (absl::Status s = ReadExactly(fd_, scratch_.data(), scratch_.size(), deadline); !s.ok()) {
     return s;

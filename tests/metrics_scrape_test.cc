@@ -2,6 +2,11 @@
 // raw Forward calls of known sizes (and two bad ones), then scraped over HTTP. The shard counters
 // must equal what was sent, request by request; the coordinator's families must equal its own
 // GetLoadStats answer; label cardinality stays per layer / per rank unless --metrics_per_expert.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cstdint>
 #include <fstream>
 #include <map>
@@ -14,9 +19,12 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "client/tcp_channel.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "moe/v1/shard.grpc.pb.h"
+#include "moe/v1/tcp.grpc.pb.h"
+#include "server/common/tcp_channel_frame.h"
 #include "server/common/http_get.h"
 #include "server/common/prometheus_text.h"
 #include "server/model/generator.h"
@@ -54,6 +62,20 @@ PromScrape Scrape(int port) {
   return scrape.ok() ? *scrape : PromScrape{};
 }
 
+// A blocking TCP connection to 127.0.0.1:port.
+absl::StatusOr<int> ConnectLoopback(uint32_t port) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    if (fd >= 0) close(fd);
+    return absl::UnavailableError(absl::StrCat("cannot connect to port ", port));
+  }
+  return fd;
+}
+
 size_t SeriesWithPrefix(const PromScrape& scrape, absl::string_view prefix) {
   size_t n = 0;
   for (const PromSample& s : scrape.samples) n += absl::StartsWith(s.name, prefix) ? 1 : 0;
@@ -62,7 +84,7 @@ size_t SeriesWithPrefix(const PromScrape& scrape, absl::string_view prefix) {
 
 class MetricsScrapeTest : public ::testing::Test {
  protected:
-  void StartCluster(bool per_expert) {
+  void StartCluster(bool per_expert, std::vector<std::string> shard0_flags = {}) {
     const std::string model_dir = FreshTestDir("metrics_model");
     model::GenerateOptions gen;
     gen.layers = kLayers;
@@ -78,6 +100,7 @@ class MetricsScrapeTest : public ::testing::Test {
       options.shard_flags_by_rank.push_back(
           {absl::StrCat("--metrics_port_file=", dir_, "/shard", r)});
     }
+    for (std::string& f : shard0_flags) options.shard_flags_by_rank[0].push_back(std::move(f));
     absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(options);
     ASSERT_TRUE(cluster.ok()) << cluster.status();
     cluster_ = *std::move(cluster);
@@ -90,8 +113,8 @@ class MetricsScrapeTest : public ::testing::Test {
     return port.ok() ? *port : 0;
   }
 
-  // One raw Forward of `tokens` tokens to shard `rank`; returns the gRPC status code.
-  grpc::StatusCode Send(int rank, uint32_t layer, int64_t tokens, uint64_t map_version) {
+  // A Forward request of `tokens` tokens (hidden states inside the message).
+  static v1::ForwardRequest Request(uint32_t layer, int64_t tokens, uint64_t map_version) {
     std::vector<int32_t> ids(tokens * kTopK);
     for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>((i * 3) % kExperts);
     const std::vector<float> w(tokens * kTopK, 0.5f);
@@ -103,6 +126,12 @@ class MetricsScrapeTest : public ::testing::Test {
                   RawBytes(Bf16RoundedNormals(tokens * kHidden, 7)));
     SetWireTensor(req.mutable_topk_ids(), v1::I32, {tokens, kTopK}, RawBytes(ids));
     SetWireTensor(req.mutable_topk_weights(), v1::F32, {tokens, kTopK}, RawBytes(w));
+    return req;
+  }
+
+  // One Forward of `tokens` tokens to shard `rank`; returns the gRPC status code.
+  grpc::StatusCode Send(int rank, uint32_t layer, int64_t tokens, uint64_t map_version) {
+    const v1::ForwardRequest req = Request(layer, tokens, map_version);
     auto stub = v1::ExpertShard::NewStub(MakeChannel(cluster_->shard_address(rank)));
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + kDeadline));
@@ -188,6 +217,78 @@ TEST_F(MetricsScrapeTest, CountersEqualWhatWasSentAndCardinalityIsBounded) {
   EXPECT_EQ(c.Sum("moe_coordinator_shard_routes_total"), static_cast<double>(all_routes));
   EXPECT_TRUE(c.Find("moe_coordinator_expert_routes_total").empty());
   EXPECT_LE(SeriesWithPrefix(c, "moe_coordinator_"), 4u + 3 * kLayers + 6 * 2);
+}
+
+// TCP request channels: their connections and requests, and connections refused or ended by a
+// bad frame, as series of the shard that serves them (and of no other).
+TEST_F(MetricsScrapeTest, TcpChannelSeries) {
+  ASSERT_NO_FATAL_FAILURE(StartCluster(/*per_expert=*/false, {"--tcp_channel"}));
+  const uint64_t v = map_.version();
+  std::shared_ptr<grpc::Channel> grpc_channel = MakeChannel(cluster_->shard_address(0));
+  absl::StatusOr<std::unique_ptr<TcpChannel>> channel =
+      TcpChannel::Open(grpc_channel.get(), "127.0.0.1");
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  for (int64_t tokens : {3, 5}) {
+    v1::ForwardRequest req = Request(0, tokens, v);
+    const std::string payload = req.hidden_states().data().data();
+    req.mutable_hidden_states()->mutable_data()->clear_data();
+    std::vector<uint8_t> output(tokens * kHidden * 2);  // BF16, the default output dtype
+    absl::StatusOr<v1::ForwardResponse> answer =
+        (*channel)->Forward(req, payload, absl::MakeSpan(output));
+    ASSERT_TRUE(answer.ok()) << answer.status();
+  }
+  // A second channel, closed again below: no longer counted as open.
+  absl::StatusOr<std::unique_ptr<TcpChannel>> closed =
+      TcpChannel::Open(grpc_channel.get(), "127.0.0.1");
+  ASSERT_TRUE(closed.ok()) << closed.status();
+  {
+    // A ticket used twice: the first connection sends a frame with a bad magic (a framing
+    // error), the second one's hello is refused.
+    v1::TcpChannelShard::Stub stub(grpc_channel);
+    grpc::ClientContext ctx;
+    v1::OpenTcpChannelResponse opened;
+    ASSERT_TRUE(stub.OpenTcpChannel(&ctx, v1::OpenTcpChannelRequest(), &opened).ok());
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      absl::StatusOr<int> fd = ConnectLoopback(opened.port());
+      ASSERT_TRUE(fd.ok()) << fd.status();
+      std::string hello(kTcpChannelMagic, sizeof(kTcpChannelMagic));
+      hello += opened.ticket();
+      uint8_t prefix[kTcpPrefixBytes];
+      ASSERT_EQ(send(*fd, hello.data(), hello.size(), MSG_NOSIGNAL),
+                static_cast<ssize_t>(hello.size()));
+      ASSERT_TRUE(ReadExactly(*fd, prefix, sizeof(prefix), absl::Now() + kDeadline).ok());
+      EXPECT_EQ(DecodeTcpPrefix(prefix).word,
+                attempt == 0 ? 0u : static_cast<uint32_t>(absl::StatusCode::kPermissionDenied));
+      if (attempt == 0) {
+        // A frame with a bad magic on the accepted connection.
+        EncodeTcpPrefix({0x20544547u, 0, 0}, prefix);
+        ASSERT_EQ(send(*fd, prefix, sizeof(prefix), MSG_NOSIGNAL),
+                  static_cast<ssize_t>(sizeof(prefix)));
+        ASSERT_TRUE(ReadExactly(*fd, prefix, sizeof(prefix), absl::Now() + kDeadline).ok());
+        EXPECT_EQ(DecodeTcpPrefix(prefix).word,
+                  static_cast<uint32_t>(absl::StatusCode::kInvalidArgument));
+      }
+      close(*fd);
+    }
+  }
+  closed->reset();
+  // The shard counts a connection as closed once its thread has seen the close.
+  const int port = MetricsPort("shard0");
+  PromScrape s0;
+  for (const absl::Time give_up = absl::Now() + kDeadline; absl::Now() < give_up;
+       absl::SleepFor(absl::Milliseconds(20))) {
+    s0 = Scrape(port);
+    if (s0.Value("moe_shard_tcp_channel_connections") == 1.0) break;
+  }
+  EXPECT_EQ(s0.Value("moe_shard_tcp_channel_connections"), 1.0);  // `channel`, still open
+  EXPECT_EQ(s0.Value("moe_shard_tcp_channel_requests_total"), 2.0);
+  EXPECT_EQ(s0.Value("moe_shard_tcp_channel_refused_total"), 1.0);
+  EXPECT_EQ(s0.Value("moe_shard_tcp_channel_framing_errors_total"), 1.0);
+  EXPECT_EQ(s0.Value("moe_shard_requests_total", {{"layer", "0"}}), 2.0);
+  EXPECT_EQ(s0.types.at("moe_shard_tcp_channel_connections"), "gauge");
+  EXPECT_EQ(s0.types.at("moe_shard_tcp_channel_requests_total"), "counter");
+  EXPECT_EQ(SeriesWithPrefix(s0, "moe_shard_tcp_channel_"), 4u);
+  EXPECT_EQ(SeriesWithPrefix(Scrape(MetricsPort("shard1")), "moe_shard_tcp_channel_"), 0u);
 }
 
 TEST_F(MetricsScrapeTest, PerExpertSeriesWhenEnabled) {

@@ -37,17 +37,18 @@ command -v protoc >/dev/null || die "protoc not found: run ./moe deps"
 exec 9>"$OUT/.lock"
 flock 9
 
-TARGETS=(forward_request forward_structured safetensors model_config wire_staging)
+TARGETS=(forward_request forward_structured safetensors model_config wire_staging transport_frames)
 # Project sources under test, and the fixture code the targets share.
 LIB_SRCS=(
   kernels/tensor.cc kernels/formats.cc kernels/activation.cc kernels/routing.cc kernels/eplb.cc
   kernels/staging.cc server/common/wire.cc server/shard/placement.cc server/shard/request.cc
   server/model/safetensors.cc server/model/checkpoint.cc server/model/model_config.cc
-  server/model/generator.cc tests/fuzz/fuzz_fixture.cc tests/fuzz/wire_builder.cc
+  server/model/generator.cc server/common/raw_frame.cc server/common/tcp_channel_frame.cc
+  tests/fuzz/fuzz_fixture.cc tests/fuzz/wire_builder.cc
 )
 PROTOS=(tensor shard coordinator)
 LIBS=(
-  -lprotobuf -lglog -lgflags
+  -lgrpc++ -lgrpc -lgpr -lprotobuf -lglog -lgflags
   -labsl_statusor -labsl_status -labsl_cord -labsl_cordz_info -labsl_cord_internal
   -labsl_cordz_functions -labsl_exponential_biased -labsl_cordz_handle -labsl_bad_optional_access
   -labsl_strerror -labsl_bad_variant_access -labsl_str_format_internal -labsl_synchronization

@@ -12,12 +12,13 @@
 #   --json FILE  also write the results as JSON
 #   --fresh      start from the seed corpus only (drop the working corpus)
 #   target       forward_request forward_structured safetensors model_config wire_staging
-#                (default: all)
+#                transport_frames (default: all)
 # Exit status: 0 when no target crashed, 1 otherwise (the reproducer path is printed).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 ARGS="$*"
-ALL_TARGETS=(forward_request forward_structured safetensors model_config wire_staging)
+ALL_TARGETS=(forward_request forward_structured safetensors model_config wire_staging
+  transport_frames)
 OUT="$ROOT/.cache/fuzz"
 LIMIT=(-max_total_time=60)
 JSON=""

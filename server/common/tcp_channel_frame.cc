@@ -55,6 +55,43 @@ TcpFramePrefix DecodeTcpPrefix(const uint8_t in[kTcpPrefixBytes]) {
           GetLe(in + 8, 8)};
 }
 
+absl::Status CheckTcpRequestPrefix(const TcpFramePrefix& prefix, uint64_t max_payload_bytes) {
+  if (prefix.word != kTcpRequestMagic) {
+    return absl::InvalidArgumentError(
+        "tcp channel: frame does not start with the request magic (the stream is out of step)");
+  }
+  if (prefix.header_len > kTcpMaxHeaderBytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("tcp channel: request header of ",
+                                                     prefix.header_len, " bytes exceeds ",
+                                                     kTcpMaxHeaderBytes));
+  }
+  if (prefix.payload_len > max_payload_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("tcp channel: payload of ", prefix.payload_len,
+                                                     " bytes exceeds the ", max_payload_bytes,
+                                                     "-byte limit"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckTcpResponsePrefix(const TcpFramePrefix& prefix) {
+  if (prefix.word == 0) {
+    if (prefix.header_len > kTcpMaxHeaderBytes) {
+      return absl::InternalError(absl::StrCat("tcp channel: response header of ",
+                                              prefix.header_len, " bytes is over the limit"));
+    }
+    return absl::OkStatus();
+  }
+  // Status codes of absl (and gRPC): 1 (CANCELLED) .. 16 (UNAUTHENTICATED).
+  if (prefix.word > 16 || prefix.header_len > kTcpMaxHeaderBytes || prefix.payload_len != 0) {
+    return absl::InternalError("tcp channel: malformed error response from the shard");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TcpErrorStatus(const TcpFramePrefix& prefix, std::string message) {
+  return absl::Status(static_cast<absl::StatusCode>(prefix.word), message);
+}
+
 absl::Status ReadExactly(int fd, void* dst, size_t n, absl::Time deadline) {
   auto* p = static_cast<uint8_t*>(dst);
   while (n > 0) {

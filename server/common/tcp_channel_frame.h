@@ -23,6 +23,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -45,6 +46,19 @@ struct TcpFramePrefix {
 
 void EncodeTcpPrefix(const TcpFramePrefix& prefix, uint8_t out[kTcpPrefixBytes]);
 TcpFramePrefix DecodeTcpPrefix(const uint8_t in[kTcpPrefixBytes]);
+
+// The shard's checks of a request prefix, before it allocates anything for the frame:
+// INVALID_ARGUMENT without the request magic (the stream is out of step), RESOURCE_EXHAUSTED for
+// a header over kTcpMaxHeaderBytes or a payload over `max_payload_bytes`. Any error ends the
+// connection (the frame's length cannot be trusted).
+[[nodiscard]] absl::Status CheckTcpRequestPrefix(const TcpFramePrefix& prefix,
+                                                 uint64_t max_payload_bytes);
+// The client's checks of a response prefix: OK for an answer (word 0) whose header is within
+// kTcpMaxHeaderBytes, or for an error frame (word = an absl status code 1..16, a message of at
+// most kTcpMaxHeaderBytes, no payload); INTERNAL for anything else (the stream is out of step).
+[[nodiscard]] absl::Status CheckTcpResponsePrefix(const TcpFramePrefix& prefix);
+// The status an error frame carries (`prefix` passed CheckTcpResponsePrefix, word != 0).
+absl::Status TcpErrorStatus(const TcpFramePrefix& prefix, std::string message);
 
 // Reads exactly `n` bytes from the blocking socket `fd`. UNAVAILABLE when the peer closed the
 // connection or it failed; DEADLINE_EXCEEDED when `deadline` passed first (InfiniteFuture: no

@@ -177,15 +177,6 @@ int Run(const ShardOptions& o) {
     LOG(ERROR) << s;
     return 2;
   }
-  std::unique_ptr<MetricsEndpoint> metrics_endpoint;
-  if (metrics != nullptr) {
-    absl::StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint = metrics->Serve(o.metrics, &service);
-    if (!endpoint.ok()) {
-      LOG(ERROR) << endpoint.status();
-      return 1;
-    }
-    metrics_endpoint = *std::move(endpoint);
-  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -221,6 +212,17 @@ int Run(const ShardOptions& o) {
     builder.RegisterService(tcp_channel.get());
     LOG(INFO) << "tcp channels on " << o.host << ":" << tcp_channel->port()
               << " (data connections are not encrypted)";
+  }
+  // Declared after what it scrapes (the service, the TCP channels), so destroyed before them.
+  std::unique_ptr<MetricsEndpoint> metrics_endpoint;
+  if (metrics != nullptr) {
+    absl::StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint =
+        metrics->Serve(o.metrics, &service, tcp_channel.get());
+    if (!endpoint.ok()) {
+      LOG(ERROR) << endpoint.status();
+      return 1;
+    }
+    metrics_endpoint = *std::move(endpoint);
   }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {

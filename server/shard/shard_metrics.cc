@@ -13,7 +13,8 @@ namespace moe {
 // scrapes.
 class ShardMetrics::StateCollectable final : public prometheus::Collectable {
  public:
-  explicit StateCollectable(const ExpertShardService* service) : service_(service) {}
+  StateCollectable(const ExpertShardService* service, const TcpChannelService* tcp)
+      : service_(service), tcp_(tcp) {}
 
   std::vector<prometheus::MetricFamily> Collect() const override {
     prometheus::MetricFamily depth =
@@ -25,11 +26,30 @@ class ShardMetrics::StateCollectable final : public prometheus::Collectable {
     prometheus::MetricFamily ready =
         GaugeFamily("moe_shard_ready", "1 when weights are active and the shard is not draining.");
     AddSample(ready, service_->active_version() > 0 && !service_->draining() ? 1 : 0);
-    return {std::move(depth), std::move(version), std::move(ready)};
+    std::vector<prometheus::MetricFamily> families = {std::move(depth), std::move(version),
+                                                      std::move(ready)};
+    if (tcp_ != nullptr) {
+      families.push_back(GaugeFamily("moe_shard_tcp_channel_connections",
+                                     "TCP request-channel data connections open now."));
+      AddSample(families.back(), static_cast<double>(tcp_->open_connections()));
+      families.push_back(CounterFamily("moe_shard_tcp_channel_requests_total",
+                                       "Requests answered over TCP request channels."));
+      AddSample(families.back(), static_cast<double>(tcp_->served()));
+      families.push_back(CounterFamily(
+          "moe_shard_tcp_channel_refused_total",
+          "TCP channel connections turned away: bad or used ticket, no hello, connection limit."));
+      AddSample(families.back(), static_cast<double>(tcp_->refused_connections()));
+      families.push_back(CounterFamily(
+          "moe_shard_tcp_channel_framing_errors_total",
+          "TCP channel connections ended by a request frame the shard could not take."));
+      AddSample(families.back(), static_cast<double>(tcp_->framing_errors()));
+    }
+    return families;
   }
 
  private:
   const ExpertShardService* const service_;
+  const TcpChannelService* const tcp_;
 };
 
 ShardMetrics::ShardMetrics(int num_layers, const std::string& backend, const std::string& device)
@@ -113,9 +133,10 @@ void ShardMetrics::OnBatch(int64_t tokens, int64_t requests, absl::Duration comp
 }
 
 absl::StatusOr<std::unique_ptr<MetricsEndpoint>> ShardMetrics::Serve(
-    const HttpEndpointOptions& options, const ExpertShardService* service) {
+    const HttpEndpointOptions& options, const ExpertShardService* service,
+    const TcpChannelService* tcp_channel) {
   CHECK(state_ == nullptr) << "Serve is called once";
-  state_ = std::make_shared<StateCollectable>(service);
+  state_ = std::make_shared<StateCollectable>(service, tcp_channel);
   return MetricsEndpoint::Start(options, {registry_, state_});
 }
 

@@ -16,6 +16,11 @@
 //   moe_shard_map_version                    cluster-map version whose weights are active
 //   moe_shard_ready                          1 when weights are active and not draining
 //   moe_shard_info{backend,device}           constant 1
+// With TCP request channels (moe_shard --tcp_channel), at scrape:
+//   moe_shard_tcp_channel_connections        data connections open now
+//   moe_shard_tcp_channel_requests_total     requests answered over them (also counted above)
+//   moe_shard_tcp_channel_refused_total      connections turned away (ticket, limit, no hello)
+//   moe_shard_tcp_channel_framing_errors_total  connections ended by a frame the shard refused
 //
 // Created by moe_shard's main before the service (it is the executor's observer); Serve starts the
 // HTTP endpoint once the service exists.
@@ -38,6 +43,7 @@
 #include "server/common/metrics.h"
 #include "server/shard/observer.h"
 #include "server/shard/service.h"
+#include "server/shard/tcp_channel.h"
 
 namespace moe {
 
@@ -53,10 +59,12 @@ class ShardMetrics final : public ShardObserver {
                  absl::Duration latency) override;
   void OnBatch(int64_t tokens, int64_t requests, absl::Duration compute) override;
 
-  // Serves these metrics plus `service`'s scrape-time state at /metrics. Call once.
-  // REQUIRES: the returned endpoint is destroyed before `service` and before this object.
-  absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Serve(const HttpEndpointOptions& options,
-                                                         const ExpertShardService* service);
+  // Serves these metrics plus `service`'s (and `tcp_channel`'s, when given) scrape-time state at
+  // /metrics. Call once.
+  // REQUIRES: the returned endpoint is destroyed before `service`, `tcp_channel` and this object.
+  absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Serve(
+      const HttpEndpointOptions& options, const ExpertShardService* service,
+      const TcpChannelService* tcp_channel = nullptr);
 
  private:
   class StateCollectable;

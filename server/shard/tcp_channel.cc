@@ -176,6 +176,7 @@ void TcpChannelService::AcceptLoop() {
       }
     }
     if (full) {
+      refused_.fetch_add(1);
       (void)SendError(fd, absl::ResourceExhaustedError(
                               absl::StrCat("tcp channel: the shard has ", options_.max_connections,
                                            " open connections; close one first")));
@@ -198,6 +199,7 @@ void TcpChannelService::Reap() {
 void TcpChannelService::Serve(Connection* connection) {
   const int fd = connection->fd;
   absl::StatusOr<std::string> identity = Hello(fd);
+  if (!identity.ok()) refused_.fetch_add(1);
   if (identity.ok()) {
     LOG(INFO) << "tcp channel: connection opened";
     uint64_t requests = 0;
@@ -259,18 +261,8 @@ absl::Status TcpChannelService::ServeOne(int fd, const std::string& identity) {
   }
   const absl::Time deadline = absl::Now() + options_.frame_timeout;
   const TcpFramePrefix prefix = DecodeTcpPrefix(raw);
-  absl::Status framing;
-  if (prefix.word != kTcpRequestMagic) {
-    framing = absl::InvalidArgumentError(
-        "tcp channel: frame does not start with the request magic (the stream is out of step)");
-  } else if (prefix.header_len > kTcpMaxHeaderBytes) {
-    framing = absl::ResourceExhaustedError(absl::StrCat(
-        "tcp channel: request header of ", prefix.header_len, " bytes exceeds ", kTcpMaxHeaderBytes));
-  } else if (prefix.payload_len > static_cast<uint64_t>(options_.max_payload_bytes)) {
-    framing = absl::ResourceExhaustedError(
-        absl::StrCat("tcp channel: payload of ", prefix.payload_len, " bytes exceeds the ",
-                     options_.max_payload_bytes, "-byte limit"));
-  }
+  absl::Status framing =
+      CheckTcpRequestPrefix(prefix, static_cast<uint64_t>(options_.max_payload_bytes));
   HostBufferPool::Lease payload;
   if (framing.ok() && prefix.payload_len > 0) {
     payload = pool_.Acquire(static_cast<size_t>(prefix.payload_len));
@@ -280,6 +272,7 @@ absl::Status TcpChannelService::ServeOne(int fd, const std::string& identity) {
     }
   }
   if (!framing.ok()) {
+    framing_errors_.fetch_add(1);
     (void)SendError(fd, framing);
     return framing;
   }

@@ -64,6 +64,12 @@ class TcpChannelService final : public v1::TcpChannelShard::Service {
   uint64_t served() const { return served_.load(); }
   // Connections open now.
   size_t open_connections() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Connections turned away so far: a bad or used ticket, no hello in time, or the connection
+  // limit reached.
+  uint64_t refused_connections() const { return refused_.load(); }
+  // Connections ended by a frame the shard could not take (bad magic, lengths over the limits,
+  // no memory for the payload).
+  uint64_t framing_errors() const { return framing_errors_.load(); }
   HostBufferPoolStats buffer_stats() const { return pool_.stats(); }
 
   grpc::Status OpenTcpChannel(grpc::ServerContext* ctx, const v1::OpenTcpChannelRequest* request,
@@ -107,6 +113,8 @@ class TcpChannelService final : public v1::TcpChannelShard::Service {
   const int port_;
   HostBufferPool pool_;
   std::atomic<uint64_t> served_{0};
+  std::atomic<uint64_t> refused_{0};
+  std::atomic<uint64_t> framing_errors_{0};
   mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::list<Connection> connections_ ABSL_GUARDED_BY(mu_);

@@ -185,14 +185,23 @@ void CheckStagedInvariants(const v1::ForwardRequest& req, const ServedModel& mod
   CheckRoutes(req, placement, staged);
 }
 
-void StageEverywhere(const v1::ForwardRequest& request) {
+void StageEverywhere(const v1::ForwardRequest& request,
+                     std::optional<absl::string_view> hidden_payload) {
   const ServedModel model = FuzzModel();
   const FuzzPlacements& placements = Placements();
   std::vector<absl::StatusOr<StagedRequest>> results;
+  // The invariants read the hidden states from the message: with the payload apart, from a copy
+  // that carries it inside.
+  std::optional<v1::ForwardRequest> whole;
   for (const ShardPlacement* placement : placements.all()) {
-    results.push_back(StageForwardRequest(request, model, *placement));
+    results.push_back(StageForwardRequest(request, model, *placement, hidden_payload));
     if (results.back().ok()) {
-      CheckStagedInvariants(request, model, *placement, *results.back());
+      if (hidden_payload.has_value() && !whole.has_value()) {
+        whole = request;
+        whole->mutable_hidden_states()->mutable_data()->set_data(std::string(*hidden_payload));
+      }
+      CheckStagedInvariants(whole.has_value() ? *whole : request, model, *placement,
+                            *results.back());
     }
   }
   for (const absl::StatusOr<StagedRequest>& r : results) {

@@ -9,8 +9,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
+#include "absl/strings/string_view.h"
 #include "moe/v1/shard.pb.h"
 #include "server/shard/placement.h"
 #include "server/shard/request.h"
@@ -50,7 +52,10 @@ void CheckStagedInvariants(const v1::ForwardRequest& request, const ServedModel&
 
 // Stages `request` under every placement and checks the invariants of each accepted result. All
 // placements must agree on acceptance (validation does not depend on the placement).
-void StageEverywhere(const v1::ForwardRequest& request);
+// `hidden_payload`: the hidden-state bytes that travelled beside the header (ForwardRaw frames,
+// TCP channel frames), as StageForwardRequest takes them.
+void StageEverywhere(const v1::ForwardRequest& request,
+                     std::optional<absl::string_view> hidden_payload = std::nullopt);
 
 }  // namespace moe::fuzz
 

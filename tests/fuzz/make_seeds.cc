@@ -18,6 +18,7 @@
 
 #include "kernels/formats.h"
 #include "kernels/staging.h"
+#include "server/common/tcp_channel_frame.h"
 #include "server/common/wire.h"
 #include "server/model/generator.h"
 #include "server/model/safetensors.h"
@@ -174,6 +175,50 @@ void ForwardSeeds(const std::string& dir) {
   }
 }
 
+// transport_frames: each forward seed as a ForwardRaw frame (cut into three slices), as a
+// stream of two TCP channel request frames, and a TCP response stream (an answer, then an
+// error frame). Their first byte picks the framing (transport_frames_fuzzer.cc).
+std::string TcpPrefix(uint32_t word, uint32_t header_len, uint64_t payload_len) {
+  uint8_t raw[kTcpPrefixBytes];
+  EncodeTcpPrefix({word, header_len, payload_len}, raw);
+  return std::string(reinterpret_cast<const char*>(raw), sizeof(raw));
+}
+
+void TransportSeeds(const std::string& dir) {
+  const ServedModel model = FuzzModel();
+  for (const auto& [name, full] : Requests()) {
+    v1::ForwardRequest header = full;
+    const std::string payload = header.hidden_states().data().data();
+    header.mutable_hidden_states()->mutable_data()->clear_data();
+    for (const ShardPlacement* placement : Placements().all()) {
+      Check(StageForwardRequest(header, model, *placement, payload).status(),
+            "seed " + name + " does not stage with its payload apart");
+    }
+    const std::string head = header.SerializeAsString();
+    std::string len(4, '\0');
+    for (int i = 0; i < 4; ++i) len[i] = static_cast<char>(head.size() >> (8 * i));
+    const std::string raw = len + head + payload;
+    Save(dir, "transport_frames", "raw_" + name,
+         std::string(1, '\0') + static_cast<char>(3) + static_cast<char>(raw.size() / 2) + raw);
+    const std::string frame = TcpPrefix(kTcpRequestMagic, static_cast<uint32_t>(head.size()),
+                                        payload.size()) + head + payload;
+    Save(dir, "transport_frames", "tcp_request_" + name, std::string(1, '\1') + frame + frame);
+  }
+  v1::ForwardResponse answer;
+  auto* out = answer.mutable_output();
+  out->set_dtype(v1::F32);
+  out->add_shape(2);
+  out->add_shape(kHidden);
+  const std::string head = answer.SerializeAsString();
+  const std::string message = "layer 7 outside [0, 2)";
+  Save(dir, "transport_frames", "tcp_response",
+       std::string(1, '\2') + TcpPrefix(0, static_cast<uint32_t>(head.size()), 2 * kHidden * 4) +
+           head + std::string(2 * kHidden * 4, '\x3f') +
+           TcpPrefix(static_cast<uint32_t>(absl::StatusCode::kInvalidArgument),
+                     static_cast<uint32_t>(message.size()), 0) +
+           message);
+}
+
 // Provider-driven targets: a few byte patterns; the fuzzers' own mutations do the rest.
 void ByteSeeds(const std::string& dir, const std::string& target) {
   Save(dir, target, "zeros", std::string(256, '\0'));
@@ -251,12 +296,14 @@ int main(int argc, char** argv) {
   const char* tmp = mkdtemp(tmp_template);
   if (tmp == nullptr) moe::fuzz::Die("mkdtemp failed");
   for (const char* target :
-       {"forward_request", "forward_structured", "safetensors", "model_config", "wire_staging"}) {
+       {"forward_request", "forward_structured", "safetensors", "model_config", "wire_staging",
+        "transport_frames"}) {
     std::error_code error;
     std::filesystem::create_directories(dir + "/" + target, error);
     if (error) moe::fuzz::Die("cannot create " + dir + ": " + error.message());
   }
   moe::fuzz::ForwardSeeds(dir);
+  moe::fuzz::TransportSeeds(dir);
   moe::fuzz::ByteSeeds(dir, "forward_structured");
   moe::fuzz::ByteSeeds(dir, "wire_staging");
   moe::fuzz::SafetensorsSeeds(dir, tmp);
