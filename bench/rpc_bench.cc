@@ -95,6 +95,10 @@ ABSL_FLAG(std::string, shard_address, "",
 ABSL_FLAG(int64_t, tcp_spin_us, -1,
           "tcp mode: how long the client polls for an answer before it blocks (TcpChannel::"
           "set_spin); -1 keeps the default");
+ABSL_FLAG(int64_t, shard_tcp_spin_us, -1,
+          "tcp mode, in-process shard: how long a connection's thread may poll for the next "
+          "request after an answer (TcpChannelOptions::spin, moe_shard --tcp_channel_spin_us); "
+          "-1 keeps the default");
 ABSL_FLAG(int64_t, raw_pool_mib, 256,
           "raw mode: MiB of idle ForwardRaw payload/output buffers the shard keeps (registered "
           "with a CUDA backend); 0: fresh, unregistered buffers per call (staged copies)");
@@ -805,6 +809,9 @@ absl::StatusOr<std::unique_ptr<LocalShard>> StartLocalShard(const RequestShape& 
   options.observer = observer;
   options.pin_shared_memory = absl::GetFlag(FLAGS_pin_shm);
   options.forward_cuda_on_device = absl::GetFlag(FLAGS_cuda_on_device);
+  if (const int64_t spin = absl::GetFlag(FLAGS_shard_tcp_spin_us); spin >= 0) {
+    options.tcp_channel_spin = absl::Microseconds(spin);
+  }
   options.raw_buffers.max_idle_bytes =
       static_cast<size_t>(std::max<int64_t>(absl::GetFlag(FLAGS_raw_pool_mib), 0)) << 20;
   absl::StatusOr<std::unique_ptr<InProcessShard>> shard = InProcessShard::Start(options);
@@ -942,6 +949,7 @@ int Main() {
       {"cuda_on_device", absl::GetFlag(FLAGS_cuda_on_device)},
       {"tcp_round_trip_us", tcp_rtt_us},
       {"tcp_spin_us", absl::GetFlag(FLAGS_tcp_spin_us)},
+      {"shard_tcp_spin_us", absl::GetFlag(FLAGS_shard_tcp_spin_us)},
       {"raw_pool_mib", absl::GetFlag(FLAGS_raw_pool_mib)},
       {"allocator_tuned", tuned},
       {"channel_spin_us", absl::GetFlag(FLAGS_channel_spin_us) >= 0

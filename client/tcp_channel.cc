@@ -142,19 +142,9 @@ absl::Status TcpChannel::ReadPrefix(uint8_t* raw, absl::Time deadline) {
   size_t got = 0;
   if (spin_ > absl::ZeroDuration() && (last_wait_ <= spin_ || ++unpolled_ >= 16)) {
     unpolled_ = 0;
-    const absl::Time stop = absl::Now() + spin_;
-    while (got < kTcpPrefixBytes) {
-      const ssize_t n = recv(fd_, raw + got, kTcpPrefixBytes - got, MSG_DONTWAIT);
-      if (n > 0) {
-        got += static_cast<size_t>(n);
-      } else if (n == 0) {
-        return absl::UnavailableError("tcp channel: connection closed by the peer");
-      } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-        return absl::UnavailableError(absl::StrCat("tcp channel: recv: ", std::strerror(errno)));
-      } else if (absl::Now() >= stop) {
-        break;
-      }
-    }
+    absl::StatusOr<size_t> spun = ReceiveSpinning(fd_, raw, kTcpPrefixBytes, spin_);
+    if (!spun.ok()) return spun.status();
+    got = *spun;
   }
   absl::Status s = ReadExactly(fd_, raw + got, kTcpPrefixBytes - got, deadline);
   last_wait_ = absl::Now() - sent_at_;

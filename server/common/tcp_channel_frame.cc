@@ -108,6 +108,26 @@ absl::Status ReadExactly(int fd, void* dst, size_t n, absl::Time deadline) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<size_t> ReceiveSpinning(int fd, void* dst, size_t n, absl::Duration spin) {
+  if (spin <= absl::ZeroDuration()) return 0;
+  auto* p = static_cast<uint8_t*>(dst);
+  size_t got = 0;
+  const absl::Time stop = absl::Now() + spin;
+  while (got < n) {
+    const ssize_t r = recv(fd, p + got, n - got, MSG_DONTWAIT);
+    if (r > 0) {
+      got += static_cast<size_t>(r);
+    } else if (r == 0) {
+      return absl::UnavailableError("tcp channel: connection closed by the peer");
+    } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+      return absl::UnavailableError(absl::StrCat("tcp channel: recv: ", std::strerror(errno)));
+    } else if (absl::Now() >= stop) {
+      break;
+    }
+  }
+  return got;
+}
+
 absl::Status WriteAll(int fd, iovec* iov, int iov_count, absl::Time deadline) {
   while (iov_count > 0) {
     if (iov->iov_len == 0) {

@@ -26,6 +26,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
 namespace moe {
@@ -64,6 +65,12 @@ absl::Status TcpErrorStatus(const TcpFramePrefix& prefix, std::string message);
 // connection or it failed; DEADLINE_EXCEEDED when `deadline` passed first (InfiniteFuture: no
 // limit). After an error the stream position is unknown: close the connection.
 [[nodiscard]] absl::Status ReadExactly(int fd, void* dst, size_t n, absl::Time deadline);
+// Polls `fd` (non-blocking receives) for up to `spin` for the first bytes of `n`, so that a
+// waiter whose answer comes soon does not sleep in the kernel and pay a wake-up; returns how many
+// bytes arrived meanwhile (0 .. n; read the rest with ReadExactly). UNAVAILABLE when the peer
+// closed the connection or it failed. spin <= 0: returns 0 at once.
+[[nodiscard]] absl::StatusOr<size_t> ReceiveSpinning(int fd, void* dst, size_t n,
+                                                     absl::Duration spin);
 // Writes every byte of `iov` (modified as it goes) to `fd`, with the errors of ReadExactly. No
 // SIGPIPE on a closed peer.
 [[nodiscard]] absl::Status WriteAll(int fd, iovec* iov, int iov_count, absl::Time deadline);

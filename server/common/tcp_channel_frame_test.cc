@@ -71,5 +71,28 @@ TEST(TcpChannelFrameTest, ReadExactlyAndWriteAllMoveEveryByte) {
   close(fds[1]);
 }
 
+TEST(TcpChannelFrameTest, ReceiveSpinningTakesWhatArrivesWithinTheSpin) {
+  int fds[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
+  uint8_t buf[16] = {};
+  absl::StatusOr<size_t> got = ReceiveSpinning(fds[1], buf, sizeof(buf), absl::ZeroDuration());
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(*got, 0u);  // no spin: nothing read
+  ASSERT_EQ(send(fds[0], "hello", 5, 0), 5);
+  got = ReceiveSpinning(fds[1], buf, sizeof(buf), absl::Milliseconds(20));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, 5u);  // part of the 16, after the spin ran out
+  EXPECT_EQ(std::memcmp(buf, "hello", 5), 0);
+  const std::string rest(11, 'x');
+  ASSERT_EQ(send(fds[0], rest.data(), rest.size(), 0), 11);
+  got = ReceiveSpinning(fds[1], buf + 5, 11, absl::Seconds(10));
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(*got, 11u);  // all of it: returns at once
+  close(fds[0]);
+  EXPECT_EQ(ReceiveSpinning(fds[1], buf, 1, absl::Seconds(10)).status().code(),
+            absl::StatusCode::kUnavailable);
+  close(fds[1]);
+}
+
 }  // namespace
 }  // namespace moe

@@ -36,6 +36,7 @@ absl::StatusOr<std::unique_ptr<InProcessShard>> InProcessShard::Start(
     TcpChannelOptions tcp;
     tcp.max_payload_bytes = options.max_message_bytes;
     tcp.buffers = options.raw_buffers;
+    tcp.spin = options.tcp_channel_spin;
     absl::StatusOr<std::unique_ptr<TcpChannelService>> started =
         TcpChannelService::Start(shard->service_.get(), tcp);
     if (!started.ok()) return started.status();

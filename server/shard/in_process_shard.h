@@ -42,6 +42,7 @@ struct InProcessShardOptions {
   HostBufferPoolOptions raw_buffers;
   // Also serve direct TCP channels (TcpChannelService) on 127.0.0.1, port 0.
   bool tcp_channel = true;
+  absl::Duration tcp_channel_spin = kTcpChannelDefaultSpin;  // TcpChannelOptions::spin
   // Per-client and total bounds on Forward requests in flight (admission.h); zeros: none.
   AdmissionOptions admission;
 };

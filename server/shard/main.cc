@@ -70,6 +70,12 @@ ABSL_FLAG(int, tcp_channel_port, 0,
 ABSL_FLAG(int, raw_buffer_pool_mb, 256,
           "ForwardRaw and TCP channels: MiB of idle payload and output buffers kept for reuse (a CUDA backend pins "
           "them once and moves them to and from the GPU without staging copies); 0 keeps none");
+ABSL_FLAG(int, tcp_channel_spin_us,
+          static_cast<int>(absl::ToInt64Microseconds(moe::kTcpChannelDefaultSpin)),
+          "with --tcp_channel: microseconds a connection's thread polls for the next request "
+          "after each answer before it sleeps, when that connection's previous request came "
+          "within that time (saves the thread's wake-up for a frontend that sends again soon; a "
+          "core is busy while it polls); 0: never poll");
 ABSL_FLAG(std::string, metrics_port_file, "", "write the bound metrics port to this file");
 ABSL_FLAG(std::string, http_host, "127.0.0.1", "address the metrics HTTP endpoint listens on");
 ABSL_FLAG(int, max_connection_age_seconds, 300,
@@ -95,6 +101,7 @@ struct ShardOptions {
   HostBufferPoolOptions raw_buffers;
   bool tcp_channel = false;
   int tcp_channel_port = 0;
+  int tcp_channel_spin_us = 0;
 };
 
 ShardOptions OptionsFromFlags() {
@@ -116,6 +123,7 @@ ShardOptions OptionsFromFlags() {
   o.executor.max_batch_wait = absl::Microseconds(absl::GetFlag(FLAGS_max_batch_wait_us));
   o.tcp_channel = absl::GetFlag(FLAGS_tcp_channel);
   o.tcp_channel_port = absl::GetFlag(FLAGS_tcp_channel_port);
+  o.tcp_channel_spin_us = absl::GetFlag(FLAGS_tcp_channel_spin_us);
   o.raw_buffers.max_idle_bytes =
       static_cast<size_t>(std::max(absl::GetFlag(FLAGS_raw_buffer_pool_mb), 0)) << 20;
   o.metrics = {absl::GetFlag(FLAGS_http_host), absl::GetFlag(FLAGS_metrics_port),
@@ -138,6 +146,11 @@ int Run(const ShardOptions& o) {
   if (o.model.empty()) {
     LOG(ERROR) << "--model is required (a directory with config.json and safetensors; "
                   "`moectl gen-model --out DIR` writes one)";
+    return 2;
+  }
+  if (o.tcp_channel_spin_us < 0 || o.tcp_channel_spin_us > 1000000) {
+    LOG(ERROR) << "--tcp_channel_spin_us=" << o.tcp_channel_spin_us
+               << ": must be in [0, 1000000] (microseconds)";
     return 2;
   }
   absl::StatusOr<std::unique_ptr<ModelWeightSource>> source = ModelWeightSource::Open(o.model);
@@ -202,6 +215,7 @@ int Run(const ShardOptions& o) {
     tcp.host = o.host;
     tcp.port = o.tcp_channel_port;
     tcp.buffers = o.raw_buffers;
+    tcp.spin = absl::Microseconds(o.tcp_channel_spin_us);
     absl::StatusOr<std::unique_ptr<TcpChannelService>> started =
         TcpChannelService::Start(&service, tcp);
     if (!started.ok()) {

@@ -204,7 +204,8 @@ void TcpChannelService::Serve(Connection* connection) {
     LOG(INFO) << "tcp channel: connection opened";
     uint64_t requests = 0;
     absl::Status s;
-    while ((s = ServeOne(fd, *identity)).ok()) ++requests;
+    ConnectionState state;
+    while ((s = ServeOne(fd, *identity, state)).ok()) ++requests;
     LOG(INFO) << "tcp channel: connection closed after " << requests << " request(s) ("
               << s.message() << ")";
   }
@@ -253,12 +254,23 @@ absl::StatusOr<std::string> TcpChannelService::Hello(int fd) {
   return identity;
 }
 
-absl::Status TcpChannelService::ServeOne(int fd, const std::string& identity) {
+absl::Status TcpChannelService::ServeOne(int fd, const std::string& identity,
+                                         ConnectionState& state) {
   uint8_t raw[kTcpPrefixBytes];
+  size_t spun = 0;
+  if (options_.spin > absl::ZeroDuration() &&
+      (state.last_gap <= options_.spin || ++state.unspun >= 16)) {
+    state.unspun = 0;
+    absl::StatusOr<size_t> got = ReceiveSpinning(fd, raw, sizeof(raw), options_.spin);
+    if (!got.ok()) return got.status();
+    spun = *got;
+  }
   // An idle connection waits here for its next request as long as it likes.
-  if (absl::Status s = ReadExactly(fd, raw, sizeof(raw), absl::InfiniteFuture()); !s.ok()) {
+  if (absl::Status s = ReadExactly(fd, raw + spun, sizeof(raw) - spun, absl::InfiniteFuture());
+      !s.ok()) {
     return s;
   }
+  state.last_gap = absl::Now() - state.answered;
   const absl::Time deadline = absl::Now() + options_.frame_timeout;
   const TcpFramePrefix prefix = DecodeTcpPrefix(raw);
   absl::Status framing =
@@ -289,9 +301,12 @@ absl::Status TcpChannelService::ServeOne(int fd, const std::string& identity) {
                                static_cast<size_t>(prefix.payload_len)),
              answer);
   served_.fetch_add(1);
-  return SendResponse(fd, status, answer.header,
-                      absl::Span<const uint8_t>(answer.output.data(), answer.output_bytes),
-                      deadline);
+  absl::Status sent = SendResponse(fd, status, answer.header,
+                                   absl::Span<const uint8_t>(answer.output.data(),
+                                                             answer.output_bytes),
+                                   deadline);
+  state.answered = absl::Now();
+  return sent;
 }
 
 absl::Status TcpChannelService::Handle(const std::string& identity, const std::string& header,

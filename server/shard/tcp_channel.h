@@ -38,6 +38,8 @@
 
 namespace moe {
 
+inline constexpr absl::Duration kTcpChannelDefaultSpin = absl::Microseconds(500);
+
 struct TcpChannelOptions {
   std::string host = "127.0.0.1";  // address the channel port binds
   int port = 0;                    // 0 picks a free one (port())
@@ -47,6 +49,12 @@ struct TcpChannelOptions {
   // Once a frame's prefix has arrived, the rest of it must within this time (a stalled sender
   // cannot hold a connection's buffers forever).
   absl::Duration frame_timeout = absl::Seconds(60);
+  // After each answer a connection's thread polls for the next request up to this long before
+  // it sleeps in the kernel, when the connection's previous request came within it (and every
+  // 16th time regardless, to notice a frontend that speeds up): a frontend that sends again soon,
+  // such as a decode step's next layer, saves the thread's wake-up (20-60 us on the H200 host,
+  // NOTES-cuda.md), and a slow one costs no polling. A core is busy while it polls. 0: never.
+  absl::Duration spin = kTcpChannelDefaultSpin;
   HostBufferPoolOptions buffers;
 };
 
@@ -92,9 +100,16 @@ class TcpChannelService final : public v1::TcpChannelShard::Service {
   // Checks the hello; returns the identity (auth.h CallerIdentity) of the OpenTcpChannel call
   // that issued the ticket. An error is sent to the peer and ends the connection.
   absl::StatusOr<std::string> Hello(int fd);
+  // What a connection's thread remembers between requests (for TcpChannelOptions::spin).
+  struct ConnectionState {
+    absl::Time answered = absl::InfinitePast();  // when the last answer went out
+    // From that answer to the next request's prefix (infinite: none yet, so no polling).
+    absl::Duration last_gap = absl::InfiniteDuration();
+    int unspun = 0;  // requests waited for without polling since the last poll
+  };
   // Serves one request of `identity` (under its admission quota); an error return (I/O,
   // framing) ends the connection.
-  absl::Status ServeOne(int fd, const std::string& identity);
+  absl::Status ServeOne(int fd, const std::string& identity, ConnectionState& state);
   // What a request's answer carries: the ForwardResponse header and the output's pooled buffer.
   struct Answer {
     std::string header;

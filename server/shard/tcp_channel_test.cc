@@ -329,5 +329,33 @@ TEST_F(TcpChannelTest, StopClosesOpenConnections) {
   EXPECT_TRUE((*c)->broken());
 }
 
+// A shard whose connection threads poll for the next request (TcpChannelOptions::spin): answers
+// are the same, and Stop ends a connection whose thread is polling.
+TEST_F(TcpChannelTest, SpinningConnectionsServeAndStop) {
+  InProcessShardOptions options;
+  options.tcp_channel_spin = absl::Seconds(10);  // longer than the test: always polling
+  absl::StatusOr<std::unique_ptr<InProcessShard>> own = StartTestShard(kModel, kHidden, options);
+  ASSERT_TRUE(own.ok()) << own.status();
+  auto ch = grpc::CreateChannel((*own)->address(), grpc::InsecureChannelCredentials());
+  absl::StatusOr<std::unique_ptr<TcpChannel>> c = TcpChannel::Open(ch.get(), "127.0.0.1");
+  ASSERT_TRUE(c.ok()) << c.status();
+  std::unique_ptr<TcpChannel> plain = OpenChannel();
+  ASSERT_NE(plain, nullptr);
+  std::string payload;
+  const v1::ForwardRequest header = Header(3, &payload);
+  std::vector<uint8_t> want(3 * kHidden * 4), out(want.size());
+  ASSERT_TRUE(plain->Forward(header, payload, absl::MakeSpan(want)).ok());
+  for (int round = 0; round < 3; ++round) {
+    ASSERT_TRUE((*c)->Forward(header, payload, absl::MakeSpan(out)).ok());
+    EXPECT_EQ(out, want);
+  }
+  const absl::Time start = absl::Now();
+  (*own)->tcp()->Stop();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));  // not the 10 s of polling
+  EXPECT_EQ((*own)->tcp()->open_connections(), 0u);
+  EXPECT_EQ((*c)->Forward(header, payload, absl::MakeSpan(out)).status().code(),
+            absl::StatusCode::kUnavailable);
+}
+
 }  // namespace
 }  // namespace moe
