@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -112,6 +113,9 @@ TcpChannelService::TcpChannelService(ExpertShardService* shard, TcpChannelOption
       listener_(listener),
       port_(port),
       pool_(shard->backend(), options_.buffers),
+      max_spinning_(options_.max_spinning > 0
+                        ? options_.max_spinning
+                        : std::max(1, static_cast<int>(std::thread::hardware_concurrency() / 4))),
       acceptor_([this] { AcceptLoop(); }) {}
 
 size_t TcpChannelService::open_connections() const {
@@ -261,9 +265,15 @@ absl::Status TcpChannelService::ServeOne(int fd, const std::string& identity,
   if (options_.spin > absl::ZeroDuration() &&
       (state.last_gap <= options_.spin || ++state.unspun >= 16)) {
     state.unspun = 0;
-    absl::StatusOr<size_t> got = ReceiveSpinning(fd, raw, sizeof(raw), options_.spin);
-    if (!got.ok()) return got.status();
-    spun = *got;
+    // Polls only while a polling slot is free.
+    if (spinning_.fetch_add(1) < max_spinning_) {
+      absl::StatusOr<size_t> got = ReceiveSpinning(fd, raw, sizeof(raw), options_.spin);
+      spinning_.fetch_sub(1);
+      if (!got.ok()) return got.status();
+      spun = *got;
+    } else {
+      spinning_.fetch_sub(1);
+    }
   }
   // An idle connection waits here for its next request as long as it likes.
   if (absl::Status s = ReadExactly(fd, raw + spun, sizeof(raw) - spun, absl::InfiniteFuture());

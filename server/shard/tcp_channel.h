@@ -55,6 +55,10 @@ struct TcpChannelOptions {
   // such as a decode step's next layer, saves the thread's wake-up (20-60 us on the H200 host,
   // NOTES-cuda.md), and a slow one costs no polling. A core is busy while it polls. 0: never.
   absl::Duration spin = kTcpChannelDefaultSpin;
+  // At most this many connection threads poll at once (the rest sleep at once), so that many
+  // frontends cannot keep every core busy polling; 0: a quarter of the machine's cores (at
+  // least 1).
+  int max_spinning = 0;
   HostBufferPoolOptions buffers;
 };
 
@@ -130,6 +134,8 @@ class TcpChannelService final : public v1::TcpChannelShard::Service {
   std::atomic<uint64_t> served_{0};
   std::atomic<uint64_t> refused_{0};
   std::atomic<uint64_t> framing_errors_{0};
+  std::atomic<int> spinning_{0};  // connection threads polling now
+  int max_spinning_ = 1;          // TcpChannelOptions::max_spinning, resolved
   mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::list<Connection> connections_ ABSL_GUARDED_BY(mu_);
