@@ -4,6 +4,7 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/base/internal/raw_logging.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -71,6 +72,7 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
 
 MoeClient::MoeClient(ClientOptions options)
     : options_(std::move(options)),
+      encrypted_(options_.security.value_or(DefaultChannelSecurity()).encrypted()),
       coordinator_(v1::Coordinator::NewStub(MakeChannel(
           options_.coordinator, options_.security.value_or(DefaultChannelSecurity())))) {}
 
@@ -191,11 +193,15 @@ MoeClient::ShardStubs* MoeClient::ShardStub(const std::string& address) {
 }
 
 std::unique_ptr<TcpChannel> MoeClient::TakeTcpChannel(ShardStubs* stubs, absl::Time deadline,
-                                                      absl::Status* error) {
+                                                      bool fall_back, absl::Status* error) {
   {
     absl::MutexLock lock(&mu_);
     if (stubs->no_tcp) {
       *error = absl::UnimplementedError("the shard does not serve TCP channels");
+      return nullptr;
+    }
+    if (fall_back && absl::Now() < stubs->tcp_retry_after) {
+      *error = absl::FailedPreconditionError("a TCP channel to this shard failed to open recently");
       return nullptr;
     }
     if (!stubs->idle_tcp.empty()) {
@@ -211,6 +217,12 @@ std::unique_ptr<TcpChannel> MoeClient::TakeTcpChannel(ShardStubs* stubs, absl::T
   if (error->code() == absl::StatusCode::kUnimplemented) {
     absl::MutexLock lock(&mu_);
     stubs->no_tcp = true;
+  } else if (fall_back) {
+    ABSL_RAW_LOG(WARNING, "tcp channel to %s did not open (%s); gRPC calls for %s, then a new try",
+                 stubs->host.c_str(), error->ToString().c_str(),
+                 absl::FormatDuration(kTcpChannelRetryAfter).c_str());
+    absl::MutexLock lock(&mu_);
+    stubs->tcp_retry_after = absl::Now() + kTcpChannelRetryAfter;
   }
   return nullptr;
 }

@@ -43,6 +43,20 @@ struct ClientOptions {
   std::optional<ChannelSecurity> security;
 };
 
+// ForwardOptions::tcp_channel.
+enum class TcpChannelUse {
+  kNever,
+  // Where the shard serves them and this client's gRPC calls are not encrypted either (no TLS:
+  // the channel's data connection is plaintext, so it exposes nothing the gRPC link does not).
+  // A shard whose channel cannot be opened (a firewalled port, say) gets gRPC calls, and a new
+  // attempt after kTcpChannelRetryAfter.
+  kWhenPlaintext,
+  // Every shard that serves them, TLS or not; a channel that cannot be opened fails the call
+  // (UNAVAILABLE, retried as any).
+  kAlways,
+};
+inline constexpr absl::Duration kTcpChannelRetryAfter = absl::Seconds(30);
+
 struct ForwardOptions {
   // F32 or BF16 output on the wire (the result is always returned as F32).
   DType wire_output_dtype = DType::kF32;
@@ -56,12 +70,13 @@ struct ForwardOptions {
   // (ExpertShard/ForwardRaw, server/common/raw_frame.h) instead of protobuf `bytes`: no protobuf
   // copy of the tensors on either side. Same validation and errors as Forward.
   bool raw_transport = true;
-  // Send each shard's request over a direct TCP channel instead (tcp.proto, moe_shard
+  // When each shard's request goes over a direct TCP channel instead (tcp.proto, moe_shard
   // --tcp_channel): a socket per shard and request in flight, opened on first use and kept, with
-  // no gRPC call per request (a decode step's transport then costs about a TCP round trip). The
-  // requests go out to every shard before the first answer is read, so the shards work in
-  // parallel. A shard that does not serve TCP channels gets the gRPC call above instead.
-  bool tcp_channel = false;
+  // no gRPC call per request (a decode step's transport then costs about a TCP round trip:
+  // on the H200 host 51-63 us against 148-232 us for ForwardRaw, NOTES-cuda.md). The requests go
+  // out to every shard before the first answer is read, so the shards work in parallel. A shard
+  // that does not serve TCP channels gets the gRPC call above instead.
+  TcpChannelUse tcp_channel = TcpChannelUse::kWhenPlaintext;
 };
 
 struct ForwardResult {
@@ -116,12 +131,16 @@ class MoeClient {
     // Open TCP channels not in use (ForwardOptions::tcp_channel), guarded by mu_.
     std::vector<std::unique_ptr<TcpChannel>> idle_tcp;
     bool no_tcp = false;  // the shard answered that it does not serve TCP channels
+    // kWhenPlaintext: no new channel is tried before this (an open failed).
+    absl::Time tcp_retry_after = absl::InfinitePast();
   };
   ShardStubs* ShardStub(const std::string& address);
   // An idle TCP channel to the shard, or a new one; null with *error set when none could be
-  // opened (UNIMPLEMENTED: the shard does not serve them, and is not asked again).
+  // opened (UNIMPLEMENTED: the shard does not serve them, and is not asked again). With
+  // `fall_back` (kWhenPlaintext) a failed open is remembered for kTcpChannelRetryAfter, during
+  // which null comes back at once (*error FAILED_PRECONDITION) and the caller uses gRPC.
   std::unique_ptr<TcpChannel> TakeTcpChannel(ShardStubs* stubs, absl::Time deadline,
-                                             absl::Status* error);
+                                             bool fall_back, absl::Status* error);
   // Keeps `channel` for the next request unless it is broken (or enough are idle).
   void ReturnTcpChannel(ShardStubs* stubs, std::unique_ptr<TcpChannel> channel);
   absl::StatusOr<ForwardResult> ForwardOnce(const MapState& state, int layer,
@@ -131,6 +150,8 @@ class MoeClient {
   void WatchLoop();
 
   const ClientOptions options_;
+  // The gRPC links may use TLS (ChannelSecurity::encrypted): kWhenPlaintext then opens no channel.
+  const bool encrypted_;
   std::unique_ptr<v1::Coordinator::Stub> coordinator_;
   mutable absl::Mutex mu_;
   std::shared_ptr<const MapState> state_ ABSL_GUARDED_BY(mu_);

@@ -125,6 +125,8 @@ absl::StatusOr<ForwardResult> MoeClient::ForwardOnce(
         " (their shard was removed; the survivors are loading them); map version ", map.version()));
   }
   const int64_t k = topk_ids.dim(1);
+  const bool fall_back = options.tcp_channel == TcpChannelUse::kWhenPlaintext;
+  const bool use_tcp = options.tcp_channel == TcpChannelUse::kAlways || (fall_back && !encrypted_);
   std::vector<std::unique_ptr<ShardCall>> calls;
   for (int rank = 0; rank < map.shards_size(); ++rank) {
     std::vector<int64_t>& rows = plan->tokens_by_rank[rank];
@@ -157,19 +159,19 @@ absl::StatusOr<ForwardResult> MoeClient::ForwardOnce(
       SetTensor(req.mutable_shared_mask(), DType::kBool, {n}, std::move(mask));
     }
     call->stubs = ShardStub(map.shards(rank).address());
-    if (options.tcp_channel) {
+    if (use_tcp) {
       absl::Status no_channel;
-      call->tcp = TakeTcpChannel(call->stubs, deadline, &no_channel);
+      call->tcp = TakeTcpChannel(call->stubs, deadline, fall_back, &no_channel);
       if (call->tcp != nullptr) {
         call->via = ShardCall::Via::kTcp;
         call->tcp_payload = std::move(*req.mutable_hidden_states()->mutable_data()->mutable_data());
         req.mutable_hidden_states()->mutable_data()->clear_data();
-      } else if (no_channel.code() != absl::StatusCode::kUnimplemented) {
+      } else if (!fall_back && no_channel.code() != absl::StatusCode::kUnimplemented) {
         call->via = ShardCall::Via::kUnreached;  // answered below; the caller retries
         call->status = no_channel;
       }
     }
-    if (call->via == ShardCall::Via::kProto && (options.raw_transport || options.tcp_channel)) {
+    if (call->via == ShardCall::Via::kProto && (options.raw_transport || use_tcp)) {
       call->via = ShardCall::Via::kRaw;
       // The hidden-state bytes leave the message and travel as their own slice (owned by it).
       auto* payload =

@@ -47,9 +47,11 @@ ABSL_FLAG(bool, watch_map, true,
 ABSL_FLAG(bool, verify, true,
           "workload: check every output against the CPU reference (false: for timing, calls "
           "back to back; load counts are still compared)");
-ABSL_FLAG(std::string, transport, "raw",
-          "workload/forward: raw (ForwardRaw frames) | proto (protobuf Forward) | tcp (direct TCP "
-          "channels where the shards serve them: moe_shard --tcp_channel; raw elsewhere)");
+ABSL_FLAG(std::string, transport, "auto",
+          "workload/forward: auto (direct TCP channels where the shards serve them and the calls "
+          "are not TLS-encrypted anyway, ForwardRaw elsewhere) | raw (ForwardRaw frames) | proto "
+          "(protobuf Forward) | tcp (TCP channels wherever the shards serve them: moe_shard "
+          "--tcp_channel; raw elsewhere)");
 ABSL_FLAG(bool, refresh, true, "load: collect the shards' pending load first");
 ABSL_FLAG(bool, dry_run, false, "rebalance: plan and report only");
 ABSL_FLAG(double, min_gain, 0.0,
@@ -80,21 +82,23 @@ constexpr char kUsage[] =
     "                      EPLB plan from the load window: report it, or switch to it live\n"
     "  drain     --shard_id ID [--coordinator --wait]\n"
     "                      move a shard's slots to the others (two-phase), then stop it\n"
-    "  forward   [--coordinator --layer --tokens --seed --transport raw|proto|tcp]\n"
+    "  forward   [--coordinator --layer --tokens --seed --transport auto|raw|proto|tcp]\n"
     "                      send one random routed batch through the cluster, print a summary\n"
     "  workload  --model DIR [--coordinator --steps --tokens --clients --skew --seed\n"
-    "            --transport raw|proto|tcp --verify --watch_map]\n"
+    "            --transport auto|raw|proto|tcp --verify --watch_map]\n"
     "                      routed forwards over all layers, verified against the CPU reference\n";
 
 // --transport into the ForwardOptions fields it sets.
-absl::Status ParseTransport(bool* raw, bool* tcp) {
+absl::Status ParseTransport(bool* raw, TcpChannelUse* tcp) {
   const std::string t = absl::GetFlag(FLAGS_transport);
-  if (t != "raw" && t != "proto" && t != "tcp") {
+  if (t != "auto" && t != "raw" && t != "proto" && t != "tcp") {
     return absl::InvalidArgumentError(
-        absl::StrCat("--transport: '", t, "' is not raw, proto or tcp"));
+        absl::StrCat("--transport: '", t, "' is not auto, raw, proto or tcp"));
   }
   *raw = t != "proto";
-  *tcp = t == "tcp";
+  *tcp = t == "tcp"    ? TcpChannelUse::kAlways
+         : t == "auto" ? TcpChannelUse::kWhenPlaintext
+                       : TcpChannelUse::kNever;
   return absl::OkStatus();
 }
 

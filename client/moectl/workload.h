@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "client/client.h"
 
 namespace moe {
 
@@ -29,7 +30,7 @@ struct WorkloadOptions {
   // How requests reach the shards (ForwardOptions): ForwardRaw frames, protobuf Forward, or
   // direct TCP channels where the shards serve them.
   bool raw_transport = true;
-  bool tcp_channel = false;
+  TcpChannelUse tcp_channel = TcpChannelUse::kWhenPlaintext;
   // Keep the map current with WatchClusterMap (ClientOptions::watch_map); false: refresh it only
   // on a stale-map answer.
   bool watch_map = true;

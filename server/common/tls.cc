@@ -103,7 +103,7 @@ absl::StatusOr<ChannelSecurity> MakeChannelSecurity(const TlsOptions& options,
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
       MakeChannelCredentials(options);
   if (!credentials.ok()) return credentials.status();
-  security.credentials = *std::move(credentials);
+  if (ClientTlsEnabled(options)) security.credentials = *std::move(credentials);
   if (!token_file.empty()) {
     absl::StatusOr<std::string> token = ReadSecretFile(token_file);
     if (!token.ok()) return token.status();

@@ -56,6 +56,10 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
 struct ChannelSecurity {
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // null: insecure
   std::string bearer_token;                               // empty: none
+  // Whether calls are taken to be TLS-encrypted: any credentials count (MakeChannelSecurity
+  // leaves them null without TLS), so a plaintext extra such as the client's TCP channels
+  // (TcpChannelUse::kWhenPlaintext) is never chosen for a link that might be encrypted.
+  bool encrypted() const { return credentials != nullptr; }
 };
 
 // Builds ChannelSecurity from TLS options and a token file (empty path: no token).

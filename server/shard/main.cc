@@ -76,6 +76,9 @@ ABSL_FLAG(int, tcp_channel_spin_us,
           "after each answer before it sleeps, when that connection's previous request came "
           "within that time (saves the thread's wake-up for a frontend that sends again soon; a "
           "core is busy while it polls); 0: never poll");
+ABSL_FLAG(int, tcp_channel_max_connections, 256,
+          "with --tcp_channel: most data connections open at once (each holds a thread); more "
+          "are refused with RESOURCE_EXHAUSTED (MoeClient then uses gRPC calls)");
 ABSL_FLAG(std::string, metrics_port_file, "", "write the bound metrics port to this file");
 ABSL_FLAG(std::string, http_host, "127.0.0.1", "address the metrics HTTP endpoint listens on");
 ABSL_FLAG(int, max_connection_age_seconds, 300,
@@ -102,6 +105,7 @@ struct ShardOptions {
   bool tcp_channel = false;
   int tcp_channel_port = 0;
   int tcp_channel_spin_us = 0;
+  int tcp_channel_max_connections = 256;
 };
 
 ShardOptions OptionsFromFlags() {
@@ -124,6 +128,7 @@ ShardOptions OptionsFromFlags() {
   o.tcp_channel = absl::GetFlag(FLAGS_tcp_channel);
   o.tcp_channel_port = absl::GetFlag(FLAGS_tcp_channel_port);
   o.tcp_channel_spin_us = absl::GetFlag(FLAGS_tcp_channel_spin_us);
+  o.tcp_channel_max_connections = absl::GetFlag(FLAGS_tcp_channel_max_connections);
   o.raw_buffers.max_idle_bytes =
       static_cast<size_t>(std::max(absl::GetFlag(FLAGS_raw_buffer_pool_mb), 0)) << 20;
   o.metrics = {absl::GetFlag(FLAGS_http_host), absl::GetFlag(FLAGS_metrics_port),
@@ -151,6 +156,11 @@ int Run(const ShardOptions& o) {
   if (o.tcp_channel_spin_us < 0 || o.tcp_channel_spin_us > 1000000) {
     LOG(ERROR) << "--tcp_channel_spin_us=" << o.tcp_channel_spin_us
                << ": must be in [0, 1000000] (microseconds)";
+    return 2;
+  }
+  if (o.tcp_channel_max_connections < 1 || o.tcp_channel_max_connections > 65536) {
+    LOG(ERROR) << "--tcp_channel_max_connections=" << o.tcp_channel_max_connections
+               << ": must be in [1, 65536]";
     return 2;
   }
   absl::StatusOr<std::unique_ptr<ModelWeightSource>> source = ModelWeightSource::Open(o.model);
@@ -216,6 +226,7 @@ int Run(const ShardOptions& o) {
     tcp.port = o.tcp_channel_port;
     tcp.buffers = o.raw_buffers;
     tcp.spin = absl::Microseconds(o.tcp_channel_spin_us);
+    tcp.max_connections = static_cast<size_t>(o.tcp_channel_max_connections);
     absl::StatusOr<std::unique_ptr<TcpChannelService>> started =
         TcpChannelService::Start(&service, tcp);
     if (!started.ok()) {

@@ -23,6 +23,9 @@ from moe_serve_client import tcp_channel
 from moe_serve_client import wire
 
 MAX_MESSAGE_BYTES = 256 << 20  # the servers' limit too
+# transport="auto": seconds before a shard whose TCP channel did not open is tried again.
+_TCP_RETRY_AFTER = 30.0
+
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 _WIRE_DTYPES = {"f32": (pb.tensor_pb2.F32, pb.shard_pb2.ACTIVATION_F32),
@@ -106,6 +109,8 @@ class MoeClient:
         self._shards = {}  # address -> (channel, stub)
         self._idle_tcp = {}  # address -> open TcpChannels not in use (transport="tcp")
         self._no_tcp = set()  # addresses of shards that do not serve TCP channels
+        # transport="auto": address -> time.monotonic() before which no channel is tried again
+        self._tcp_retry_after = {}
         self._closed = threading.Event()
         self._watch_call = None
         self._watcher = None
@@ -196,12 +201,15 @@ class MoeClient:
                 self._shards[address] = (channel, pb.shard_pb2_grpc.ExpertShardStub(channel))
             return self._shards[address][1]
 
-    def _take_tcp(self, address, timeout):
+    def _take_tcp(self, address, timeout, fall_back):
         """An idle TCP channel to the shard at `address`, or a new one; None when the shard does
-        not serve them. Raises TcpChannelError when one cannot be opened."""
+        not serve them. When one cannot be opened: with `fall_back` (transport "auto") None, and
+        no new try for _TCP_RETRY_AFTER seconds; otherwise TcpChannelError."""
         self._shard_stub(address)
         with self._lock:
             if address in self._no_tcp:
+                return None
+            if fall_back and time.monotonic() < self._tcp_retry_after.get(address, 0):
                 return None
             idle = self._idle_tcp.get(address)
             if idle:
@@ -212,10 +220,14 @@ class MoeClient:
         try:
             return tcp_channel.open_channel(grpc_channel, host, timeout)
         except tcp_channel.TcpChannelError as e:
-            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                with self._lock:
+                    self._no_tcp.add(address)
+                return None
+            if not fall_back:
                 raise
             with self._lock:
-                self._no_tcp.add(address)
+                self._tcp_retry_after[address] = time.monotonic() + _TCP_RETRY_AFTER
             return None
 
     def _return_tcp(self, address, channel):
@@ -230,7 +242,7 @@ class MoeClient:
 
     def forward(self, layer, hidden, topk_ids, topk_weights, is_padding=None, *,
                 shared_experts=False, wire_hidden_dtype="bf16", wire_output_dtype="f32",
-                deadline=None, transport="grpc"):
+                deadline=None, transport="auto"):
         """Runs MoE layer `layer` for a batch and returns a ForwardResult.
 
         hidden float32 [T, H]; topk_ids int [T, K] logical expert ids (-1 = no route);
@@ -241,15 +253,18 @@ class MoeClient:
         seconds for the whole call, retries included (default: the client's default_deadline).
         transport "tcp" sends each shard's request over a direct TCP channel (kept open from call
         to call; shards started with --tcp_channel) instead of a gRPC call: a decode step then
-        costs about a TCP round trip of transport; shards without them get the gRPC call.
+        costs about a TCP round trip of transport; shards without them get the gRPC call. "auto"
+        (the default; this client's gRPC calls are plaintext too) does the same, but a shard
+        whose channel cannot be opened gets gRPC calls for a while instead of an error; "grpc"
+        never opens channels.
         ValueError for malformed arguments; MoeServeError when the cluster refuses the call or
         the deadline passes."""
         hidden, ids, weights, padding = self._check(layer, hidden, topk_ids, topk_weights,
                                                     is_padding)
         if wire_hidden_dtype not in _WIRE_DTYPES or wire_output_dtype not in _WIRE_DTYPES:
             raise ValueError("wire dtypes are 'f32' or 'bf16'")
-        if transport not in ("grpc", "tcp"):
-            raise ValueError("transport is 'grpc' or 'tcp'")
+        if transport not in ("auto", "grpc", "tcp"):
+            raise ValueError("transport is 'auto', 'grpc' or 'tcp'")
         give_up = time.monotonic() + (deadline or self.default_deadline)
         attempt = 0
         while True:
@@ -308,7 +323,8 @@ class MoeClient:
                     continue
                 address = cluster_map.shards[rank].address
                 timeout = max(give_up - time.monotonic(), 0.001)
-                channel = self._take_tcp(address, timeout) if transport == "tcp" else None
+                channel = None if transport == "grpc" else \
+                    self._take_tcp(address, timeout, fall_back=transport == "auto")
                 rows_wire = np.ascontiguousarray(hidden_wire[rows])
                 data = wire.to_tensor(rows_wire, tensor_dtype)
                 if channel is not None:

@@ -197,10 +197,12 @@ class ClusterTest(unittest.TestCase):
                 with self.subTest(layer=layer, wire=wire_dtype):
                     hidden, ids, weights, padding = self.batch(seed=50 + layer)
                     want = self.client.forward(layer, hidden, ids, weights, padding,
-                                               wire_hidden_dtype=wire_dtype)
-                    for _ in range(2):  # the second call reuses the channel
+                                               wire_hidden_dtype=wire_dtype, transport="grpc")
+                    # The second call reuses the channel; "auto" (the default) takes it too.
+                    for transport in ("tcp", "tcp", "auto"):
                         got = self.client.forward(layer, hidden, ids, weights, padding,
-                                                  wire_hidden_dtype=wire_dtype, transport="tcp")
+                                                  wire_hidden_dtype=wire_dtype,
+                                                  transport=transport)
                         self.assertEqual(got.shards_called, 2)
                         np.testing.assert_array_equal(got.output, want.output)
         with self.assertRaisesRegex(ValueError, "transport"):
