@@ -4,7 +4,8 @@
 # CPU reference (a failed check aborts before the report), for an MXFP4 gpt-oss-like model and
 # an NVFP4 model with a shared expert; 16 tokens per step, 2 (one-token shard batches, which run
 # as CUDA graphs) and 512 (the wgmma path), over ForwardRaw; then 16 tokens again over direct TCP
-# channels (the shards run with --tcp_channel). Also: a shard asked for a device past those
+# channels (the shards run with --tcp_channel), and over moectl's default transport (auto: the
+# same channels, the calls being plaintext). Also: a shard asked for a device past those
 # present (--cuda_device) must refuse to start, naming their count.
 #
 #   deploy/gpu_e2e.sh [BUNDLE_TAR]   # default: .bundle-rel/moe-serve-*.tar.gz
@@ -47,7 +48,7 @@ for fmt in mxfp4 nvfp4; do
     bin/moe-shard --model "$m" --coordinator 127.0.0.1:$port --port $((port + 1 + r)) --rank $r \
       --backend cuda --cuda_device 0 --tcp_channel > "$OUT/shard$r-$fmt.log" 2>&1 &
   done
-  for run in "$steps 16 raw" "12 2 raw" "3 512 raw" "$steps 16 tcp"; do
+  for run in "$steps 16 raw" "12 2 raw" "3 512 raw" "$steps 16 tcp" "$steps 16 auto"; do
     read -r n tokens transport <<< "$run"
     log="$OUT/workload-$fmt-$tokens-$transport.log"
     timeout 180 bin/moectl workload --coordinator 127.0.0.1:$port --model "$m" --steps "$n" \
