@@ -15,13 +15,9 @@ backend="${2:-cuda}"
 shards="${SHARDS:-2}"
 OUT="${OUT:-/tmp/client_transport}"
 mkdir -p "$OUT"
-root=$(mktemp -d)
-tar xzf "$bundle" -C "$root"
-cd "$root"/moe-serve-* || exit 2
-m=$root/model
-bin/moectl gen-model --out "$m" --format mxfp4 --layers 1 \
-  ${MODEL_FLAGS:---experts 32 --top_k 4 --hidden 2048 --intermediate 768} > /dev/null ||
-  { echo "gen-model failed"; exit 1; }
+# shellcheck source=bench/bundle_model.sh
+source "$(dirname "$0")/bundle_model.sh"
+unpack_bundle_with_model "$bundle" "--experts 32 --top_k 4 --hidden 2048 --intermediate 768"
 port=$((50050 + RANDOM % 500))
 bin/moe-coordinator --port $port --num_shards "$shards" > "$OUT/coordinator.log" 2>&1 &
 sleep 1

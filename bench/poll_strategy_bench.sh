@@ -14,13 +14,9 @@ rpc_bench="$(realpath "${2:?usage: $0 BUNDLE_TAR RPC_BENCH [cuda|cpu]}")"
 backend="${3:-cuda}"
 OUT="${OUT:-/tmp/poll_strategy}"
 mkdir -p "$OUT"
-root=$(mktemp -d)
-tar xzf "$bundle" -C "$root"
-cd "$root"/moe-serve-* || exit 2
-m=$root/model
-bin/moectl gen-model --out "$m" --format mxfp4 --layers 1 \
-  ${MODEL_FLAGS:---experts 128 --top_k 8 --hidden 2048 --intermediate 768} > /dev/null ||
-  { echo "gen-model failed"; exit 1; }
+# shellcheck source=bench/bundle_model.sh
+source "$(dirname "$0")/bundle_model.sh"
+unpack_bundle_with_model "$bundle" "--experts 128 --top_k 8 --hidden 2048 --intermediate 768"
 failed=0
 for server in ${STRATEGIES:-epoll1 poll}; do
   port=$((50050 + RANDOM % 500))
