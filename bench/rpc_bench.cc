@@ -61,6 +61,8 @@
 #include "nlohmann/json.hpp"
 #include "server/common/large_buffers.h"
 #include "server/common/tcp_channel_frame.h"
+#include "server/common/tcp_stream.h"
+#include "server/common/tls.h"
 #include "server/model/generator.h"
 #include "server/shard/in_process_shard.h"
 
@@ -99,6 +101,12 @@ ABSL_FLAG(int64_t, shard_tcp_spin_us, -1,
           "tcp mode, in-process shard: how long a connection's thread may poll for the next "
           "request after an answer (TcpChannelOptions::spin, moe_shard --tcp_channel_spin_us); "
           "-1 keeps the default");
+ABSL_FLAG(std::string, tcp_tls_dir, "",
+          "tcp mode, in-process shard: serve the channels in TLS with DIR/cert.pem and "
+          "DIR/key.pem (a certificate for IP 127.0.0.1), the clients verifying it as their CA; "
+          "empty: plaintext. E.g. openssl req -x509 -newkey ec -pkeyopt "
+          "ec_paramgen_curve:prime256v1 -nodes -keyout key.pem -out cert.pem -days 1 -subj /CN=b "
+          "-addext subjectAltName=IP:127.0.0.1");
 ABSL_FLAG(int64_t, raw_pool_mib, 256,
           "raw mode: MiB of idle ForwardRaw payload/output buffers the shard keeps (registered "
           "with a CUDA backend); 0: fresh, unregistered buffers per call (staged copies)");
@@ -129,6 +137,26 @@ ABSL_FLAG(int64_t, channel_spin_us, -1,
 
 namespace moe {
 namespace {
+
+// The clients' TLS roots for --tcp_tls_dir (its cert.pem), loaded once; null without it.
+std::shared_ptr<const TlsContext> ClientTls() {
+  static const std::shared_ptr<const TlsContext>* const tls = [] {
+    auto* out = new std::shared_ptr<const TlsContext>();
+    if (const std::string dir = absl::GetFlag(FLAGS_tcp_tls_dir); !dir.empty()) {
+      absl::StatusOr<std::string> cert = ReadSecretFile(dir + "/cert.pem");
+      absl::StatusOr<std::shared_ptr<const TlsContext>> ctx =
+          cert.ok() ? TlsContext::ForClient(*cert)
+                    : absl::StatusOr<std::shared_ptr<const TlsContext>>(cert.status());
+      if (!ctx.ok()) {
+        std::fprintf(stderr, "rpc_bench: --tcp_tls_dir: %s\n", ctx.status().ToString().c_str());
+        std::exit(1);
+      }
+      *out = *std::move(ctx);
+    }
+    return out;
+  }();
+  return *tls;
+}
 
 // Routings per client with --routes=uniform (cycled call by call).
 constexpr int kRoutings = 8;
@@ -290,7 +318,9 @@ class Client {
         r.mutable_output()->set_length(payload_.size());
       }
     } else if (tcp_) {
-      absl::StatusOr<std::unique_ptr<TcpChannel>> c = TcpChannel::Open(channel_.get(), "127.0.0.1");
+      absl::StatusOr<std::unique_ptr<TcpChannel>> c =
+          TcpChannel::Open(channel_.get(), "127.0.0.1", absl::Seconds(10), ClientTls(),
+                           /*require_tls=*/ClientTls() != nullptr);
       if (!c.ok()) {
         std::fprintf(stderr, "rpc_bench: tcp channel: %s\n", c.status().ToString().c_str());
         std::exit(1);
@@ -812,6 +842,15 @@ absl::StatusOr<std::unique_ptr<LocalShard>> StartLocalShard(const RequestShape& 
   if (const int64_t spin = absl::GetFlag(FLAGS_shard_tcp_spin_us); spin >= 0) {
     options.tcp_channel_spin = absl::Microseconds(spin);
   }
+  if (const std::string dir = absl::GetFlag(FLAGS_tcp_tls_dir); !dir.empty()) {
+    absl::StatusOr<std::string> cert = ReadSecretFile(dir + "/cert.pem");
+    if (!cert.ok()) return cert.status();
+    absl::StatusOr<std::string> key = ReadSecretFile(dir + "/key.pem");
+    if (!key.ok()) return key.status();
+    absl::StatusOr<std::shared_ptr<const TlsContext>> tls = TlsContext::ForServer(*cert, *key);
+    if (!tls.ok()) return tls.status();
+    options.tcp_channel_tls = *std::move(tls);
+  }
   options.raw_buffers.max_idle_bytes =
       static_cast<size_t>(std::max<int64_t>(absl::GetFlag(FLAGS_raw_pool_mib), 0)) << 20;
   absl::StatusOr<std::unique_ptr<InProcessShard>> shard = InProcessShard::Start(options);
@@ -950,6 +989,7 @@ int Main() {
       {"tcp_round_trip_us", tcp_rtt_us},
       {"tcp_spin_us", absl::GetFlag(FLAGS_tcp_spin_us)},
       {"shard_tcp_spin_us", absl::GetFlag(FLAGS_shard_tcp_spin_us)},
+      {"tcp_tls", !absl::GetFlag(FLAGS_tcp_tls_dir).empty()},
       {"raw_pool_mib", absl::GetFlag(FLAGS_raw_pool_mib)},
       {"allocator_tuned", tuned},
       {"channel_spin_us", absl::GetFlag(FLAGS_channel_spin_us) >= 0

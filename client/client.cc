@@ -73,6 +73,7 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
 MoeClient::MoeClient(ClientOptions options)
     : options_(std::move(options)),
       encrypted_(options_.security.value_or(DefaultChannelSecurity()).encrypted()),
+      tcp_tls_(options_.security.value_or(DefaultChannelSecurity()).tcp_tls),
       coordinator_(v1::Coordinator::NewStub(MakeChannel(
           options_.coordinator, options_.security.value_or(DefaultChannelSecurity())))) {}
 
@@ -210,8 +211,10 @@ std::unique_ptr<TcpChannel> MoeClient::TakeTcpChannel(ShardStubs* stubs, absl::T
       return c;
     }
   }
+  // kAuto under TLS takes TLS channels only; kAlways whatever the shard offers.
   absl::StatusOr<std::unique_ptr<TcpChannel>> opened = TcpChannel::Open(
-      stubs->channel.get(), stubs->host, std::max(deadline - absl::Now(), absl::ZeroDuration()));
+      stubs->channel.get(), stubs->host, std::max(deadline - absl::Now(), absl::ZeroDuration()),
+      tcp_tls_, /*require_tls=*/fall_back && encrypted_);
   if (opened.ok()) return *std::move(opened);
   *error = opened.status();
   if (error->code() == absl::StatusCode::kUnimplemented) {

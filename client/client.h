@@ -46,13 +46,14 @@ struct ClientOptions {
 // ForwardOptions::tcp_channel.
 enum class TcpChannelUse {
   kNever,
-  // Where the shard serves them and this client's gRPC calls are not encrypted either (no TLS:
-  // the channel's data connection is plaintext, so it exposes nothing the gRPC link does not).
-  // A shard whose channel cannot be opened (a firewalled port, say) gets gRPC calls, and a new
-  // attempt after kTcpChannelRetryAfter.
-  kWhenPlaintext,
-  // Every shard that serves them, TLS or not; a channel that cannot be opened fails the call
-  // (UNAVAILABLE, retried as any).
+  // Where the shard serves them and they are as private as this client's gRPC calls: any
+  // channel for a plaintext client, TLS channels (a shard whose gRPC port has TLS) for a client
+  // with TLS credentials, verified against the same CA (ChannelSecurity::tcp_tls). A shard whose
+  // channel cannot be opened (a firewalled port, a plaintext channel under TLS, no CA) gets gRPC
+  // calls, and a new attempt after kTcpChannelRetryAfter.
+  kAuto,
+  // Every shard that serves them, a plaintext channel under TLS too; a channel that cannot be
+  // opened fails the call (UNAVAILABLE, retried as any).
   kAlways,
 };
 inline constexpr absl::Duration kTcpChannelRetryAfter = absl::Seconds(30);
@@ -76,7 +77,7 @@ struct ForwardOptions {
   // on the H200 host 51-63 us against 148-232 us for ForwardRaw, NOTES-cuda.md). The requests go
   // out to every shard before the first answer is read, so the shards work in parallel. A shard
   // that does not serve TCP channels gets the gRPC call above instead.
-  TcpChannelUse tcp_channel = TcpChannelUse::kWhenPlaintext;
+  TcpChannelUse tcp_channel = TcpChannelUse::kAuto;
 };
 
 struct ForwardResult {
@@ -131,13 +132,13 @@ class MoeClient {
     // Open TCP channels not in use (ForwardOptions::tcp_channel), guarded by mu_.
     std::vector<std::unique_ptr<TcpChannel>> idle_tcp;
     bool no_tcp = false;  // the shard answered that it does not serve TCP channels
-    // kWhenPlaintext: no new channel is tried before this (an open failed).
+    // kAuto: no new channel is tried before this (an open failed).
     absl::Time tcp_retry_after = absl::InfinitePast();
   };
   ShardStubs* ShardStub(const std::string& address);
   // An idle TCP channel to the shard, or a new one; null with *error set when none could be
   // opened (UNIMPLEMENTED: the shard does not serve them, and is not asked again). With
-  // `fall_back` (kWhenPlaintext) a failed open is remembered for kTcpChannelRetryAfter, during
+  // `fall_back` (kAuto) a failed open is remembered for kTcpChannelRetryAfter, during
   // which null comes back at once (*error FAILED_PRECONDITION) and the caller uses gRPC.
   std::unique_ptr<TcpChannel> TakeTcpChannel(ShardStubs* stubs, absl::Time deadline,
                                              bool fall_back, absl::Status* error);
@@ -150,8 +151,10 @@ class MoeClient {
   void WatchLoop();
 
   const ClientOptions options_;
-  // The gRPC links may use TLS (ChannelSecurity::encrypted): kWhenPlaintext then opens no channel.
+  // The gRPC links may use TLS (ChannelSecurity::encrypted): kAuto then opens TLS channels only,
+  // verified with tcp_tls_ (null: no CA, so no channels).
   const bool encrypted_;
+  const std::shared_ptr<const TlsContext> tcp_tls_;
   std::unique_ptr<v1::Coordinator::Stub> coordinator_;
   mutable absl::Mutex mu_;
   std::shared_ptr<const MapState> state_ ABSL_GUARDED_BY(mu_);

@@ -125,8 +125,9 @@ absl::StatusOr<ForwardResult> MoeClient::ForwardOnce(
         " (their shard was removed; the survivors are loading them); map version ", map.version()));
   }
   const int64_t k = topk_ids.dim(1);
-  const bool fall_back = options.tcp_channel == TcpChannelUse::kWhenPlaintext;
-  const bool use_tcp = options.tcp_channel == TcpChannelUse::kAlways || (fall_back && !encrypted_);
+  const bool fall_back = options.tcp_channel == TcpChannelUse::kAuto;
+  const bool use_tcp = options.tcp_channel == TcpChannelUse::kAlways ||
+                       (fall_back && (!encrypted_ || tcp_tls_ != nullptr));
   std::vector<std::unique_ptr<ShardCall>> calls;
   for (int rank = 0; rank < map.shards_size(); ++rank) {
     std::vector<int64_t>& rows = plan->tokens_by_rank[rank];

@@ -70,21 +70,21 @@ absl::StatusOr<int> Connect(const std::string& host, uint32_t port, absl::Time d
 }
 
 // Reads a response's error message (prefix already read) and turns it into the status.
-absl::Status ReadError(int fd, const TcpFramePrefix& prefix, absl::Time deadline) {
+absl::Status ReadError(TcpStream& stream, const TcpFramePrefix& prefix, absl::Time deadline) {
   if (absl::Status s = CheckTcpResponsePrefix(prefix); !s.ok()) return s;
   std::string message(prefix.header_len, '\0');
-  if (absl::Status s = ReadExactly(fd, message.data(), message.size(), deadline); !s.ok()) {
+  if (absl::Status s = stream.ReadExactly(message.data(), message.size(), deadline); !s.ok()) {
     return s;
   }
   return TcpErrorStatus(prefix, std::move(message));
 }
 
 // Reads and drops `n` bytes.
-absl::Status Discard(int fd, uint64_t n, absl::Time deadline) {
+absl::Status Discard(TcpStream& stream, uint64_t n, absl::Time deadline) {
   std::vector<uint8_t> sink(std::min<uint64_t>(n, uint64_t{1} << 20));
   while (n > 0) {
     const size_t take = static_cast<size_t>(std::min<uint64_t>(n, sink.size()));
-    if (absl::Status s = ReadExactly(fd, sink.data(), take, deadline); !s.ok()) return s;
+    if (absl::Status s = stream.ReadExactly(sink.data(), take, deadline); !s.ok()) return s;
     n -= take;
   }
   return absl::OkStatus();
@@ -92,9 +92,9 @@ absl::Status Discard(int fd, uint64_t n, absl::Time deadline) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<TcpChannel>> TcpChannel::Open(grpc::ChannelInterface* channel,
-                                                             const std::string& host,
-                                                             absl::Duration timeout) {
+absl::StatusOr<std::unique_ptr<TcpChannel>> TcpChannel::Open(
+    grpc::ChannelInterface* channel, const std::string& host, absl::Duration timeout,
+    std::shared_ptr<const TlsContext> tls, bool require_tls) {
   const absl::Time deadline = absl::Now() + timeout;
   // The stub only borrows the channel.
   v1::TcpChannelShard::Stub stub(
@@ -113,25 +113,50 @@ absl::StatusOr<std::unique_ptr<TcpChannel>> TcpChannel::Open(grpc::ChannelInterf
       opened.port() > 65535) {
     return absl::InternalError("tcp channel: malformed OpenTcpChannel answer");
   }
+  if (require_tls && !opened.tls()) {
+    return absl::FailedPreconditionError(
+        "tcp channel: the shard's channels are plaintext and this client's calls use TLS");
+  }
+  if (opened.tls() && tls == nullptr) {
+    return absl::FailedPreconditionError(
+        "tcp channel: the shard's channels speak TLS and this client has no CA to verify them "
+        "with");
+  }
   absl::StatusOr<int> fd = Connect(host, opened.port(), deadline);
   if (!fd.ok()) return fd.status();
-  std::unique_ptr<TcpChannel> result(new TcpChannel(*fd));
+  std::unique_ptr<TcpStream> stream;
+  if (opened.tls()) {
+    absl::StatusOr<std::unique_ptr<TcpStream>> secured =
+        TcpStream::ConnectTls(*fd, *tls, host, deadline);
+    if (!secured.ok()) {
+      close(*fd);
+      return secured.status();
+    }
+    stream = *std::move(secured);
+  } else {
+    stream = std::make_unique<TcpStream>(*fd);
+  }
+  std::unique_ptr<TcpChannel> result(new TcpChannel(*fd, std::move(stream)));
+  TcpStream& s0 = *result->stream_;
   char hello[kTcpHelloBytes];
   std::memcpy(hello, kTcpChannelMagic, sizeof(kTcpChannelMagic));
   std::memcpy(hello + sizeof(kTcpChannelMagic), opened.ticket().data(), kTcpChannelTicketBytes);
   iovec iov{hello, sizeof(hello)};
-  if (absl::Status s = WriteAll(*fd, &iov, 1, deadline); !s.ok()) return s;
+  if (absl::Status s = s0.WriteAll(&iov, 1, deadline); !s.ok()) return s;
   uint8_t raw[kTcpPrefixBytes];
-  if (absl::Status s = ReadExactly(*fd, raw, sizeof(raw), deadline); !s.ok()) return s;
+  if (absl::Status s = s0.ReadExactly(raw, sizeof(raw), deadline); !s.ok()) return s;
   const TcpFramePrefix prefix = DecodeTcpPrefix(raw);
-  if (prefix.word != 0) return ReadError(*fd, prefix, deadline);
+  if (prefix.word != 0) return ReadError(s0, prefix, deadline);
   if (prefix.header_len != 0 || prefix.payload_len != 0) {
     return absl::InternalError("tcp channel: malformed hello answer from the shard");
   }
   return result;
 }
 
-TcpChannel::~TcpChannel() { close(fd_); }
+TcpChannel::~TcpChannel() {
+  stream_.reset();  // before the socket it uses
+  close(fd_);
+}
 
 void TcpChannel::set_spin(absl::Duration spin) {
   absl::MutexLock lock(&mu_);
@@ -142,11 +167,11 @@ absl::Status TcpChannel::ReadPrefix(uint8_t* raw, absl::Time deadline) {
   size_t got = 0;
   if (spin_ > absl::ZeroDuration() && (last_wait_ <= spin_ || ++unpolled_ >= 16)) {
     unpolled_ = 0;
-    absl::StatusOr<size_t> spun = ReceiveSpinning(fd_, raw, kTcpPrefixBytes, spin_);
+    absl::StatusOr<size_t> spun = stream_->ReceiveSpinning(raw, kTcpPrefixBytes, spin_);
     if (!spun.ok()) return spun.status();
     got = *spun;
   }
-  absl::Status s = ReadExactly(fd_, raw + got, kTcpPrefixBytes - got, deadline);
+  absl::Status s = stream_->ReadExactly(raw + got, kTcpPrefixBytes - got, deadline);
   last_wait_ = absl::Now() - sent_at_;
   return s;
 }
@@ -242,7 +267,7 @@ absl::Status TcpChannel::SendLocked(const v1::ForwardRequest& header,
   iovec iov[3] = {{raw, sizeof(raw)},
                   {scratch_.data(), scratch_.size()},
                   {const_cast<char*>(hidden_payload.data()), hidden_payload.size()}};
-  if (absl::Status s = WriteAll(fd_, iov, 3, deadline); !s.ok()) return s;
+  if (absl::Status s = stream_->WriteAll(iov, 3, deadline); !s.ok()) return s;
   awaiting_ = true;
   sent_at_ = absl::Now();
   return absl::OkStatus();
@@ -259,9 +284,10 @@ absl::StatusOr<v1::ForwardResponse> TcpChannel::ReceiveLocked(const OutputSink& 
   if (absl::Status s = ReadPrefix(raw, deadline); !s.ok()) return s;
   const TcpFramePrefix prefix = DecodeTcpPrefix(raw);
   if (absl::Status s = CheckTcpResponsePrefix(prefix); !s.ok()) return s;
-  if (prefix.word != 0) return ReadError(fd_, prefix, deadline);
+  if (prefix.word != 0) return ReadError(*stream_, prefix, deadline);
   scratch_.resize(prefix.header_len);
-  if (absl::Status s = ReadExactly(fd_, scratch_.data(), scratch_.size(), deadline); !s.ok()) {
+  if (absl::Status s = stream_->ReadExactly(scratch_.data(), scratch_.size(), deadline);
+      !s.ok()) {
     return s;
   }
   v1::ForwardResponse response;
@@ -270,10 +296,11 @@ absl::StatusOr<v1::ForwardResponse> TcpChannel::ReceiveLocked(const OutputSink& 
   }
   absl::StatusOr<absl::Span<uint8_t>> output = sink(prefix.payload_len);
   if (!output.ok()) {
-    if (absl::Status s = Discard(fd_, prefix.payload_len, deadline); !s.ok()) return s;
+    if (absl::Status s = Discard(*stream_, prefix.payload_len, deadline); !s.ok()) return s;
     return output.status();
   }
-  if (absl::Status s = ReadExactly(fd_, output->data(), output->size(), deadline); !s.ok()) {
+  if (absl::Status s = stream_->ReadExactly(output->data(), output->size(), deadline);
+      !s.ok()) {
     return s;
   }
   return response;

@@ -26,6 +26,7 @@
 #include "absl/types/span.h"
 #include "grpcpp/grpcpp.h"
 #include "moe/v1/shard.pb.h"
+#include "server/common/tcp_stream.h"
 
 namespace moe {
 
@@ -33,11 +34,18 @@ class TcpChannel {
  public:
   // `channel` reaches the shard's gRPC port; `host` is the shard's host as this machine reaches
   // it (the channel port is on the same host). `timeout` bounds the ticket call, the connect and
-  // the hello. UNIMPLEMENTED when the shard does not serve TCP channels (moe_shard
-  // --tcp_channel), UNAVAILABLE when it cannot be reached; the shard's refusal otherwise.
+  // the hello. A shard whose channels speak TLS (OpenTcpChannelResponse.tls: its gRPC port has
+  // TLS) needs `tls`, the roots its certificate must chain to for `host`: without them
+  // FAILED_PRECONDITION, and UNAVAILABLE when the certificate does not verify. `require_tls`
+  // refuses a plaintext channel (FAILED_PRECONDITION) before connecting. UNIMPLEMENTED when
+  // the shard does not serve TCP channels (moe_shard --tcp_channel), UNAVAILABLE when it cannot
+  // be reached; the shard's refusal otherwise.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<TcpChannel>> Open(
       grpc::ChannelInterface* channel, const std::string& host,
-      absl::Duration timeout = absl::Seconds(10));
+      absl::Duration timeout = absl::Seconds(10),
+      std::shared_ptr<const TlsContext> tls = nullptr, bool require_tls = false);
+  // Whether the data connection runs TLS.
+  bool tls() const { return stream_->tls(); }
   ~TcpChannel();
   TcpChannel(const TcpChannel&) = delete;
   TcpChannel& operator=(const TcpChannel&) = delete;
@@ -72,7 +80,7 @@ class TcpChannel {
   void set_spin(absl::Duration spin) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  explicit TcpChannel(int fd) : fd_(fd) {}
+  TcpChannel(int fd, std::unique_ptr<TcpStream> stream) : fd_(fd), stream_(std::move(stream)) {}
   // Where the output bytes go, given their count (an error leaves them unread: they are drained).
   using OutputSink = std::function<absl::StatusOr<absl::Span<uint8_t>>(uint64_t bytes)>;
   absl::Status SendLocked(const v1::ForwardRequest& header, absl::string_view hidden_payload,
@@ -86,6 +94,7 @@ class TcpChannel {
   T Checked(T result) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int fd_;
+  std::unique_ptr<TcpStream> stream_;  // over fd_: plain or TLS
   mutable absl::Mutex mu_;
   bool broken_ ABSL_GUARDED_BY(mu_) = false;
   bool awaiting_ ABSL_GUARDED_BY(mu_) = false;  // sent a request whose answer is unread

@@ -192,10 +192,21 @@ TEST_F(SecurityTest, MutualTls) {
     EXPECT_TRUE(credentials.ok()) << credentials.status();
     return ChannelSecurity{*credentials, token};
   };
-  const ChannelSecurity valid = tls(pki->node_cert, pki->node_key, kFrontendToken);
+  ChannelSecurity valid = tls(pki->node_cert, pki->node_key, kFrontendToken);
+  // The roots for the shards' TLS TCP channels too (MakeChannelSecurity sets them from the CA).
+  absl::StatusOr<std::string> ca = ReadSecretFile(pki->ca);
+  ASSERT_TRUE(ca.ok()) << ca.status();
+  absl::StatusOr<std::shared_ptr<const TlsContext>> tcp_tls = TlsContext::ForClient(*ca);
+  ASSERT_TRUE(tcp_tls.ok()) << tcp_tls.status();
+  valid.tcp_tls = *tcp_tls;
   SetDefaultChannelSecurity(valid);
+  std::vector<std::string> shard_flags = flags;
+  shard_flags.push_back("--tcp_channel");
   absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(
-      {.model_dir = model_dir_, .num_shards = 2, .shard_flags = flags, .coordinator_flags = flags});
+      {.model_dir = model_dir_,
+       .num_shards = 2,
+       .shard_flags = shard_flags,
+       .coordinator_flags = flags});
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   const std::string coordinator = (*cluster)->coordinator_address();
   const std::string shard0 = (*cluster)->shard_address(0);
@@ -216,6 +227,13 @@ TEST_F(SecurityTest, MutualTls) {
   EXPECT_EQ(report->calls, 6);
   EXPECT_TRUE(report->load_counts_match) << text.str();
   EXPECT_LE(report->worst_relative_error, 1e-2);
+  // The workload (moectl's default transport) went over the shards' TCP channels, in TLS.
+  for (int r = 0; r < 2; ++r) {
+    const std::string log = (*cluster)->shard_process(r).Log();
+    EXPECT_NE(log.find("tcp channels on "), std::string::npos) << log;
+    EXPECT_NE(log.find("(TLS, the gRPC port's certificate)"), std::string::npos) << log;
+    EXPECT_NE(log.find("tcp channel: connection opened (tls)"), std::string::npos) << log;
+  }
 
   auto frontend = CoordinatorAs(coordinator, valid);
   v1::ClusterMap map;

@@ -80,7 +80,7 @@ TEST(TcpChannelE2eTest, ClientUsesChannelsWhereServedAndMatchesTheReference) {
   EXPECT_EQ(stats->total_routes(), 4 * kT * kK);  // four calls, every route counted once
 }
 
-// The default, TcpChannelUse::kWhenPlaintext, on a plaintext cluster: channels where the shards
+// The default, TcpChannelUse::kAuto, on a plaintext cluster: channels where the shards
 // serve them; a shard whose channel cannot be opened (here: its one connection slot is taken)
 // gets gRPC calls instead of an error, while kAlways fails.
 TEST(TcpChannelE2eTest, DefaultFallsBackToGrpcWhenAChannelCannotOpen) {

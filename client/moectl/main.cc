@@ -97,7 +97,7 @@ absl::Status ParseTransport(bool* raw, TcpChannelUse* tcp) {
   }
   *raw = t != "proto";
   *tcp = t == "tcp"    ? TcpChannelUse::kAlways
-         : t == "auto" ? TcpChannelUse::kWhenPlaintext
+         : t == "auto" ? TcpChannelUse::kAuto
                        : TcpChannelUse::kNever;
   return absl::OkStatus();
 }

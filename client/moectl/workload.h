@@ -30,7 +30,7 @@ struct WorkloadOptions {
   // How requests reach the shards (ForwardOptions): ForwardRaw frames, protobuf Forward, or
   // direct TCP channels where the shards serve them.
   bool raw_transport = true;
-  TcpChannelUse tcp_channel = TcpChannelUse::kWhenPlaintext;
+  TcpChannelUse tcp_channel = TcpChannelUse::kAuto;
   // Keep the map current with WatchClusterMap (ClientOptions::watch_map); false: refresh it only
   // on a stale-map answer.
   bool watch_map = true;

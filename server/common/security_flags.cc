@@ -54,6 +54,16 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFromFl
   return MakeServerCredentials(TlsFromFlags(), std::move(processor));
 }
 
+absl::StatusOr<std::shared_ptr<const TlsContext>> TcpChannelTlsFromFlags() {
+  const TlsOptions tls = TlsFromFlags();
+  if (!ServerTlsEnabled(tls)) return std::shared_ptr<const TlsContext>();
+  absl::StatusOr<std::string> cert = ReadSecretFile(tls.cert_file);
+  if (!cert.ok()) return cert.status();
+  absl::StatusOr<std::string> key = ReadSecretFile(tls.key_file);
+  if (!key.ok()) return key.status();
+  return TlsContext::ForServer(*cert, *key);
+}
+
 absl::Status InstallClientSecurityFromFlags() {
   absl::StatusOr<ChannelSecurity> security =
       MakeChannelSecurity(TlsFromFlags(), absl::GetFlag(FLAGS_auth_token_file));

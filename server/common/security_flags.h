@@ -18,6 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "grpcpp/security/server_credentials.h"
+#include "server/common/tcp_stream.h"
 
 namespace moe {
 
@@ -26,6 +27,10 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFromFl
 
 // Sets the process default channel security from the flags.
 absl::Status InstallClientSecurityFromFlags();
+
+// TLS for the TCP request channels of a server with a certificate (--tls_cert, --tls_key; the
+// same one its gRPC port presents); null without one.
+absl::StatusOr<std::shared_ptr<const TlsContext>> TcpChannelTlsFromFlags();
 
 // Makes --help list the flags defined under server/ (the binary's own and these security flags).
 // absl's default lists only flags from a file named after the program, which moe_shard's main.cc

@@ -23,8 +23,19 @@ uint64_t GetLe(const uint8_t* in, int bytes) {
   return v;
 }
 
-// Waits until `fd` is ready for `events` or the deadline passes (no wait without a deadline: the
-// blocking call itself waits).
+}  // namespace
+
+void EncodeTcpPrefix(const TcpFramePrefix& prefix, uint8_t out[kTcpPrefixBytes]) {
+  PutLe(prefix.word, 4, out);
+  PutLe(prefix.header_len, 4, out + 4);
+  PutLe(prefix.payload_len, 8, out + 8);
+}
+
+TcpFramePrefix DecodeTcpPrefix(const uint8_t in[kTcpPrefixBytes]) {
+  return {static_cast<uint32_t>(GetLe(in, 4)), static_cast<uint32_t>(GetLe(in + 4, 4)),
+          GetLe(in + 8, 8)};
+}
+
 absl::Status WaitReady(int fd, short events, absl::Time deadline) {
   if (deadline == absl::InfiniteFuture()) return absl::OkStatus();
   while (true) {
@@ -40,19 +51,6 @@ absl::Status WaitReady(int fd, short events, absl::Time deadline) {
       return absl::UnavailableError(absl::StrCat("tcp channel: poll: ", std::strerror(errno)));
     }
   }
-}
-
-}  // namespace
-
-void EncodeTcpPrefix(const TcpFramePrefix& prefix, uint8_t out[kTcpPrefixBytes]) {
-  PutLe(prefix.word, 4, out);
-  PutLe(prefix.header_len, 4, out + 4);
-  PutLe(prefix.payload_len, 8, out + 8);
-}
-
-TcpFramePrefix DecodeTcpPrefix(const uint8_t in[kTcpPrefixBytes]) {
-  return {static_cast<uint32_t>(GetLe(in, 4)), static_cast<uint32_t>(GetLe(in + 4, 4)),
-          GetLe(in + 8, 8)};
 }
 
 absl::Status CheckTcpRequestPrefix(const TcpFramePrefix& prefix, uint64_t max_payload_bytes) {

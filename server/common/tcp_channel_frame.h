@@ -61,6 +61,10 @@ TcpFramePrefix DecodeTcpPrefix(const uint8_t in[kTcpPrefixBytes]);
 // The status an error frame carries (`prefix` passed CheckTcpResponsePrefix, word != 0).
 absl::Status TcpErrorStatus(const TcpFramePrefix& prefix, std::string message);
 
+// Waits until `fd` is ready for `events` (POLLIN, POLLOUT) or `deadline` passes
+// (DEADLINE_EXCEEDED); returns at once without a deadline (the blocking call that follows waits).
+[[nodiscard]] absl::Status WaitReady(int fd, short events, absl::Time deadline);
+
 // Reads exactly `n` bytes from the blocking socket `fd`. UNAVAILABLE when the peer closed the
 // connection or it failed; DEADLINE_EXCEEDED when `deadline` passed first (InfiniteFuture: no
 // limit). After an error the stream position is unknown: close the connection.

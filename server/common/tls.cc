@@ -103,7 +103,16 @@ absl::StatusOr<ChannelSecurity> MakeChannelSecurity(const TlsOptions& options,
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
       MakeChannelCredentials(options);
   if (!credentials.ok()) return credentials.status();
-  if (ClientTlsEnabled(options)) security.credentials = *std::move(credentials);
+  if (ClientTlsEnabled(options)) {
+    security.credentials = *std::move(credentials);
+    if (!options.ca_file.empty()) {
+      absl::StatusOr<std::string> ca = ReadSecretFile(options.ca_file);
+      if (!ca.ok()) return ca.status();
+      absl::StatusOr<std::shared_ptr<const TlsContext>> tcp = TlsContext::ForClient(*ca);
+      if (!tcp.ok()) return tcp.status();
+      security.tcp_tls = *std::move(tcp);
+    }
+  }
   if (!token_file.empty()) {
     absl::StatusOr<std::string> token = ReadSecretFile(token_file);
     if (!token.ok()) return token.status();

@@ -23,6 +23,7 @@
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/support/channel_arguments.h"
+#include "server/common/tcp_stream.h"
 
 namespace moe {
 
@@ -56,9 +57,12 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
 struct ChannelSecurity {
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // null: insecure
   std::string bearer_token;                               // empty: none
+  // The roots that verify a shard's TLS TCP channels (client/tcp_channel.h), from the same CA
+  // file as `credentials` (MakeChannelSecurity sets it with TLS); null: none.
+  std::shared_ptr<const TlsContext> tcp_tls;
   // Whether calls are taken to be TLS-encrypted: any credentials count (MakeChannelSecurity
   // leaves them null without TLS), so a plaintext extra such as the client's TCP channels
-  // (TcpChannelUse::kWhenPlaintext) is never chosen for a link that might be encrypted.
+  // (TcpChannelUse::kAuto) is never chosen for a link that might be encrypted.
   bool encrypted() const { return credentials != nullptr; }
 };
 

@@ -37,6 +37,7 @@ absl::StatusOr<std::unique_ptr<InProcessShard>> InProcessShard::Start(
     tcp.max_payload_bytes = options.max_message_bytes;
     tcp.buffers = options.raw_buffers;
     tcp.spin = options.tcp_channel_spin;
+    tcp.tls = options.tcp_channel_tls;
     absl::StatusOr<std::unique_ptr<TcpChannelService>> started =
         TcpChannelService::Start(shard->service_.get(), tcp);
     if (!started.ok()) return started.status();

@@ -43,6 +43,7 @@ struct InProcessShardOptions {
   // Also serve direct TCP channels (TcpChannelService) on 127.0.0.1, port 0.
   bool tcp_channel = true;
   absl::Duration tcp_channel_spin = kTcpChannelDefaultSpin;  // TcpChannelOptions::spin
+  std::shared_ptr<const TlsContext> tcp_channel_tls;  // TcpChannelOptions::tls (null: plaintext)
   // Per-client and total bounds on Forward requests in flight (admission.h); zeros: none.
   AdmissionOptions admission;
 };

@@ -63,7 +63,8 @@ ABSL_FLAG(bool, forward_cuda_on_device, true,
 ABSL_FLAG(bool, tcp_channel, false,
           "also serve direct TCP request channels (moe.v1.TcpChannelShard): a frontend gets a "
           "ticket over gRPC, then sends Forward frames over a socket of its own, without gRPC per "
-          "request; the data connection is not encrypted, even under --tls_cert");
+          "request; with --tls_cert the data connection speaks TLS with that certificate, "
+          "otherwise it is plaintext");
 ABSL_FLAG(int, tcp_channel_port, 0,
           "with --tcp_channel: the channel port on --host (0 picks a free one; clients learn it "
           "from OpenTcpChannel)");
@@ -227,6 +228,13 @@ int Run(const ShardOptions& o) {
     tcp.buffers = o.raw_buffers;
     tcp.spin = absl::Microseconds(o.tcp_channel_spin_us);
     tcp.max_connections = static_cast<size_t>(o.tcp_channel_max_connections);
+    // With a TLS certificate the channels speak TLS too.
+    absl::StatusOr<std::shared_ptr<const TlsContext>> tls = TcpChannelTlsFromFlags();
+    if (!tls.ok()) {
+      LOG(ERROR) << tls.status();
+      return 2;
+    }
+    tcp.tls = *std::move(tls);
     absl::StatusOr<std::unique_ptr<TcpChannelService>> started =
         TcpChannelService::Start(&service, tcp);
     if (!started.ok()) {
@@ -236,7 +244,8 @@ int Run(const ShardOptions& o) {
     tcp_channel = *std::move(started);
     builder.RegisterService(tcp_channel.get());
     LOG(INFO) << "tcp channels on " << o.host << ":" << tcp_channel->port()
-              << " (data connections are not encrypted)";
+              << (tcp.tls != nullptr ? " (TLS, the gRPC port's certificate)"
+                                     : " (data connections are not encrypted)");
   }
   // Declared after what it scrapes (the service, the TCP channels), so destroyed before them.
   std::unique_ptr<MetricsEndpoint> metrics_endpoint;

@@ -19,6 +19,7 @@
 #include "server/common/auth.h"
 #include "server/common/status.h"
 #include "server/common/tcp_channel_frame.h"
+#include "server/common/tcp_stream.h"
 
 namespace moe {
 namespace {
@@ -31,7 +32,7 @@ constexpr absl::Duration kDrainTimeout = absl::Milliseconds(200);
 constexpr size_t kDrainBytes = size_t{1} << 20;
 
 // Sends a response frame: `status` with `header` and `payload` (OK), or its message (error).
-absl::Status SendResponse(int fd, const absl::Status& status, absl::string_view header,
+absl::Status SendResponse(TcpStream& stream, const absl::Status& status, absl::string_view header,
                           absl::Span<const uint8_t> payload, absl::Time deadline) {
   const absl::string_view text = status.ok() ? header : status.message();
   uint8_t prefix[kTcpPrefixBytes];
@@ -41,21 +42,21 @@ absl::Status SendResponse(int fd, const absl::Status& status, absl::string_view 
   iovec iov[3] = {{prefix, sizeof(prefix)},
                   {const_cast<char*>(text.data()), text.size()},
                   {const_cast<uint8_t*>(payload.data()), status.ok() ? payload.size() : 0}};
-  return WriteAll(fd, iov, 3, deadline);
+  return stream.WriteAll(iov, 3, deadline);
 }
 
 // Reads and drops what the peer still sends, until it closes or a short while has passed.
-absl::Status Drain(int fd) {
+absl::Status Drain(TcpStream& stream) {
   const absl::Time deadline = absl::Now() + kDrainTimeout;
   char sink[4096];
   for (size_t total = 0; total < kDrainBytes; total += sizeof(sink)) {
-    if (absl::Status s = ReadExactly(fd, sink, sizeof(sink), deadline); !s.ok()) return s;
+    if (absl::Status s = stream.ReadExactly(sink, sizeof(sink), deadline); !s.ok()) return s;
   }
   return absl::OkStatus();
 }
 
-absl::Status SendError(int fd, const absl::Status& status) {
-  return SendResponse(fd, status, {}, {}, absl::Now() + kErrorWriteTimeout);
+absl::Status SendError(TcpStream& stream, const absl::Status& status) {
+  return SendResponse(stream, status, {}, {}, absl::Now() + kErrorWriteTimeout);
 }
 
 // A listening TCP socket on host:port (port 0: any), and the port it got.
@@ -145,6 +146,7 @@ grpc::Status TcpChannelService::OpenTcpChannel(grpc::ServerContext* ctx,
   tickets_[ticket] = {now + options_.ticket_ttl, ctx != nullptr ? CallerIdentity(*ctx) : ""};
   response->set_port(static_cast<uint32_t>(port_));
   response->set_ticket(ticket);
+  response->set_tls(options_.tls != nullptr);
   response->set_ticket_ttl_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(options_.ticket_ttl)));
   return grpc::Status::OK;
 }
@@ -181,9 +183,13 @@ void TcpChannelService::AcceptLoop() {
     }
     if (full) {
       refused_.fetch_add(1);
-      (void)SendError(fd, absl::ResourceExhaustedError(
-                              absl::StrCat("tcp channel: the shard has ", options_.max_connections,
-                                           " open connections; close one first")));
+      // Under TLS the refusal would need a handshake on this thread: the peer sees the close.
+      TcpStream plain(fd);
+      if (options_.tls == nullptr) {
+        (void)SendError(plain, absl::ResourceExhaustedError(absl::StrCat(
+                                   "tcp channel: the shard has ", options_.max_connections,
+                                   " open connections; close one first")));
+      }
       close(fd);
     }
   }
@@ -202,21 +208,35 @@ void TcpChannelService::Reap() {
 
 void TcpChannelService::Serve(Connection* connection) {
   const int fd = connection->fd;
-  absl::StatusOr<std::string> identity = Hello(fd);
+  std::unique_ptr<TcpStream> stream;
+  absl::StatusOr<std::string> identity = absl::UnavailableError("no handshake");
+  if (options_.tls != nullptr) {
+    absl::StatusOr<std::unique_ptr<TcpStream>> secured =
+        TcpStream::AcceptTls(fd, *options_.tls, absl::Now() + kHelloTimeout);
+    if (secured.ok()) {
+      stream = *std::move(secured);
+    } else {
+      LOG_EVERY_N(WARNING, 100) << "tcp channel: " << secured.status();
+    }
+  } else {
+    stream = std::make_unique<TcpStream>(fd);
+  }
+  if (stream != nullptr) identity = Hello(*stream);
   if (!identity.ok()) refused_.fetch_add(1);
   if (identity.ok()) {
-    LOG(INFO) << "tcp channel: connection opened";
+    LOG(INFO) << "tcp channel: connection opened" << (stream->tls() ? " (tls)" : "");
     uint64_t requests = 0;
     absl::Status s;
     ConnectionState state;
-    while ((s = ServeOne(fd, *identity, state)).ok()) ++requests;
+    while ((s = ServeOne(*stream, *identity, state)).ok()) ++requests;
     LOG(INFO) << "tcp channel: connection closed after " << requests << " request(s) ("
               << s.message() << ")";
   }
   // A close with unread input would reset the connection, and the peer could lose the error
   // response just sent: end the sending side, then drain briefly.
   shutdown(fd, SHUT_WR);
-  (void)Drain(fd);
+  if (stream != nullptr) (void)Drain(*stream);
+  stream.reset();
   // Closed under the lock, so that Stop never shuts down a descriptor number reused since.
   absl::MutexLock lock(&mu_);
   close(fd);
@@ -224,9 +244,9 @@ void TcpChannelService::Serve(Connection* connection) {
   connection->done = true;
 }
 
-absl::StatusOr<std::string> TcpChannelService::Hello(int fd) {
+absl::StatusOr<std::string> TcpChannelService::Hello(TcpStream& stream) {
   uint8_t hello[kTcpHelloBytes];
-  if (absl::Status s = ReadExactly(fd, hello, sizeof(hello), absl::Now() + kHelloTimeout);
+  if (absl::Status s = stream.ReadExactly(hello, sizeof(hello), absl::Now() + kHelloTimeout);
       !s.ok()) {
     return s;
   }
@@ -248,17 +268,18 @@ absl::StatusOr<std::string> TcpChannelService::Hello(int fd) {
     if (it != tickets_.end()) tickets_.erase(it);  // single use, even when expired
   }
   if (!verdict.ok()) {
-    (void)SendError(fd, verdict);
+    (void)SendError(stream, verdict);
     return verdict;
   }
-  if (absl::Status s = SendResponse(fd, absl::OkStatus(), {}, {}, absl::Now() + kErrorWriteTimeout);
+  if (absl::Status s =
+          SendResponse(stream, absl::OkStatus(), {}, {}, absl::Now() + kErrorWriteTimeout);
       !s.ok()) {
     return s;
   }
   return identity;
 }
 
-absl::Status TcpChannelService::ServeOne(int fd, const std::string& identity,
+absl::Status TcpChannelService::ServeOne(TcpStream& stream, const std::string& identity,
                                          ConnectionState& state) {
   uint8_t raw[kTcpPrefixBytes];
   size_t spun = 0;
@@ -267,7 +288,7 @@ absl::Status TcpChannelService::ServeOne(int fd, const std::string& identity,
     state.unspun = 0;
     // Polls only while a polling slot is free.
     if (spinning_.fetch_add(1) < max_spinning_) {
-      absl::StatusOr<size_t> got = ReceiveSpinning(fd, raw, sizeof(raw), options_.spin);
+      absl::StatusOr<size_t> got = stream.ReceiveSpinning(raw, sizeof(raw), options_.spin);
       spinning_.fetch_sub(1);
       if (!got.ok()) return got.status();
       spun = *got;
@@ -276,7 +297,8 @@ absl::Status TcpChannelService::ServeOne(int fd, const std::string& identity,
     }
   }
   // An idle connection waits here for its next request as long as it likes.
-  if (absl::Status s = ReadExactly(fd, raw + spun, sizeof(raw) - spun, absl::InfiniteFuture());
+  if (absl::Status s =
+          stream.ReadExactly(raw + spun, sizeof(raw) - spun, absl::InfiniteFuture());
       !s.ok()) {
     return s;
   }
@@ -295,12 +317,15 @@ absl::Status TcpChannelService::ServeOne(int fd, const std::string& identity,
   }
   if (!framing.ok()) {
     framing_errors_.fetch_add(1);
-    (void)SendError(fd, framing);
+    (void)SendError(stream, framing);
     return framing;
   }
   std::string header(prefix.header_len, '\0');
-  if (absl::Status s = ReadExactly(fd, header.data(), header.size(), deadline); !s.ok()) return s;
-  if (absl::Status s = ReadExactly(fd, payload.data(), prefix.payload_len, deadline); !s.ok()) {
+  if (absl::Status s = stream.ReadExactly(header.data(), header.size(), deadline); !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = stream.ReadExactly(payload.data(), prefix.payload_len, deadline);
+      !s.ok()) {
     return s;
   }
   // The frame is read whole, so an error answer leaves the connection in step.
@@ -311,7 +336,7 @@ absl::Status TcpChannelService::ServeOne(int fd, const std::string& identity,
                                static_cast<size_t>(prefix.payload_len)),
              answer);
   served_.fetch_add(1);
-  absl::Status sent = SendResponse(fd, status, answer.header,
+  absl::Status sent = SendResponse(stream, status, answer.header,
                                    absl::Span<const uint8_t>(answer.output.data(),
                                                              answer.output_bytes),
                                    deadline);

@@ -33,6 +33,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "moe/v1/tcp.grpc.pb.h"
+#include "server/common/tcp_stream.h"
 #include "server/shard/host_buffer_pool.h"
 #include "server/shard/service.h"
 
@@ -60,6 +61,10 @@ struct TcpChannelOptions {
   // least 1).
   int max_spinning = 0;
   HostBufferPoolOptions buffers;
+  // TLS for every data connection (the shard's gRPC certificate; TcpStream::AcceptTls), and
+  // OpenTcpChannel tells clients so; null: plaintext. Under TLS a connection over
+  // max_connections is closed without an answer (the refusal would need a handshake first).
+  std::shared_ptr<const TlsContext> tls;
 };
 
 class TcpChannelService final : public v1::TcpChannelShard::Service {
@@ -103,7 +108,7 @@ class TcpChannelService final : public v1::TcpChannelShard::Service {
   void Serve(Connection* connection);
   // Checks the hello; returns the identity (auth.h CallerIdentity) of the OpenTcpChannel call
   // that issued the ticket. An error is sent to the peer and ends the connection.
-  absl::StatusOr<std::string> Hello(int fd);
+  absl::StatusOr<std::string> Hello(TcpStream& stream);
   // What a connection's thread remembers between requests (for TcpChannelOptions::spin).
   struct ConnectionState {
     absl::Time answered = absl::InfinitePast();  // when the last answer went out
@@ -113,7 +118,7 @@ class TcpChannelService final : public v1::TcpChannelShard::Service {
   };
   // Serves one request of `identity` (under its admission quota); an error return (I/O,
   // framing) ends the connection.
-  absl::Status ServeOne(int fd, const std::string& identity, ConnectionState& state);
+  absl::Status ServeOne(TcpStream& stream, const std::string& identity, ConnectionState& state);
   // What a request's answer carries: the ForwardResponse header and the output's pooled buffer.
   struct Answer {
     std::string header;

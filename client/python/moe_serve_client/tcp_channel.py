@@ -3,7 +3,8 @@ server/common/tcp_channel_frame.h): a one-use ticket from OpenTcpChannel over gR
 of the client's own carrying each request as [u32 magic][u32 header_len][u64 payload_len], the
 ForwardRequest header and the hidden-state bytes, and each answer as [i32 status][u32 len][u64
 payload_len], the ForwardResponse header (or the error message) and the output bytes. No gRPC call
-per request. Shards serve it with `moe_shard --tcp_channel`; the data connection is not encrypted.
+per request. Shards serve it with `moe_shard --tcp_channel`; the data connection is TLS when the
+shard's gRPC port is (open_channel's ssl_context), plaintext otherwise.
 
 Thread-safety: one request in flight per channel (send(), then receive()); use one channel per
 thread. A transfer error breaks the channel (`broken`); open a new one.
@@ -41,10 +42,13 @@ class TcpChannelError(grpc.RpcError):
         return self._details
 
 
-def open_channel(grpc_channel, host, timeout=10.0):
+def open_channel(grpc_channel, host, timeout=10.0, ssl_context=None):
     """A TcpChannel to the shard reachable at `grpc_channel`, whose channel port is on `host`.
+    A shard whose gRPC port has TLS serves its channels in TLS too: they need `ssl_context` (an
+    ssl.SSLContext that verifies the shard's certificate for `host`), else FAILED_PRECONDITION.
     Raises TcpChannelError: UNIMPLEMENTED when the shard does not serve TCP channels, UNAVAILABLE
-    when it cannot be reached, the shard's refusal otherwise."""
+    when it cannot be reached or its certificate does not verify, the shard's refusal
+    otherwise."""
     stub = pb.tcp_pb2_grpc.TcpChannelShardStub(grpc_channel)
     try:
         opened = stub.OpenTcpChannel(pb.tcp_pb2.OpenTcpChannelRequest(), timeout=timeout)
@@ -52,9 +56,15 @@ def open_channel(grpc_channel, host, timeout=10.0):
         raise TcpChannelError(e.code(), e.details() or "") from None
     if len(opened.ticket) != _TICKET_BYTES or not 0 < opened.port < 65536:
         raise TcpChannelError(grpc.StatusCode.INTERNAL, "malformed OpenTcpChannel answer")
+    if opened.tls and ssl_context is None:
+        raise TcpChannelError(grpc.StatusCode.FAILED_PRECONDITION,
+                              "tcp channel: the shard's channels speak TLS and no ssl_context "
+                              "was given")
     try:
         sock = socket.create_connection((host, opened.port), timeout=timeout)
-    except OSError as e:
+        if opened.tls:
+            sock = ssl_context.wrap_socket(sock, server_hostname=host)
+    except OSError as e:  # ssl.SSLError is an OSError
         raise TcpChannelError(grpc.StatusCode.UNAVAILABLE, "tcp channel: cannot connect to "
                               "%s:%d: %s" % (host, opened.port, e)) from None
     channel = TcpChannel(sock)
