@@ -48,7 +48,8 @@ enum class TcpChannelUse {
   kNever,
   // Where the shard serves them and they are as private as this client's gRPC calls: any
   // channel for a plaintext client, TLS channels (a shard whose gRPC port has TLS) for a client
-  // with TLS credentials, verified against the same CA (ChannelSecurity::tcp_tls). A shard whose
+  // with TLS credentials, verified against the same CA (ChannelSecurity::tcp_tls), for requests
+  // of up to kTlsChannelMaxAutoPayload bytes of hidden states (decode steps). A shard whose
   // channel cannot be opened (a firewalled port, a plaintext channel under TLS, no CA) gets gRPC
   // calls, and a new attempt after kTcpChannelRetryAfter.
   kAuto,
@@ -57,6 +58,11 @@ enum class TcpChannelUse {
   kAlways,
 };
 inline constexpr absl::Duration kTcpChannelRetryAfter = absl::Seconds(30);
+// kAuto under TLS: requests whose hidden states are larger go over gRPC even where a TLS channel
+// is open. TLS costs the channel per 16 KB record (OpenSSL 3.0): on the H200 host it beats
+// plaintext ForwardRaw up to 32 KB (problem C, 8 tokens: 175-184 against 227 us), ties at 64 KB
+// and loses beyond (32 tokens: 481-513 against 394-401 us; NOTES-cuda.md).
+inline constexpr size_t kTlsChannelMaxAutoPayload = size_t{64} << 10;
 
 struct ForwardOptions {
   // F32 or BF16 output on the wire (the result is always returned as F32).

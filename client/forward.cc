@@ -160,7 +160,9 @@ absl::StatusOr<ForwardResult> MoeClient::ForwardOnce(
       SetTensor(req.mutable_shared_mask(), DType::kBool, {n}, std::move(mask));
     }
     call->stubs = ShardStub(map.shards(rank).address());
-    if (use_tcp) {
+    // Under TLS, kAuto keeps large requests on gRPC (kTlsChannelMaxAutoPayload).
+    if (use_tcp && !(fall_back && encrypted_ &&
+                     req.hidden_states().data().data().size() > kTlsChannelMaxAutoPayload)) {
       absl::Status no_channel;
       call->tcp = TakeTcpChannel(call->stubs, deadline, fall_back, &no_channel);
       if (call->tcp != nullptr) {

@@ -25,32 +25,63 @@ constexpr size_t kGatherBytes = 16 << 10;
 // Largest single SSL_write (a blocking write of this much is bounded by the peer's reading).
 constexpr size_t kMaxWriteChunk = 1 << 20;
 
-// A socket BIO whose writes never raise SIGPIPE (OpenSSL's own uses write(2)): a peer that
-// closes while OpenSSL answers it (a close_notify, say) must not kill the process.
-int SocketWrite(BIO* bio, const char* buf, int len) {
-  const int fd = static_cast<int>(reinterpret_cast<intptr_t>(BIO_get_data(bio)));
-  BIO_clear_retry_flags(bio);
-  const ssize_t n = send(fd, buf, static_cast<size_t>(len), MSG_NOSIGNAL);
-  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-    BIO_set_retry_write(bio);
+// The socket under a TLS session, as an OpenSSL BIO: writes never raise SIGPIPE (OpenSSL's own
+// socket BIO uses write(2), and a peer that closes while OpenSSL answers it, a close_notify say,
+// must not kill the process), and they collect in `out` until a flush (OpenSSL flushes after
+// handshake messages and alerts; WriteAll after its records) or kFlushBytes, so that a
+// megabyte's 64 records leave in a few sends, not 64.
+struct SocketBio {
+  int fd;
+  std::string out;
+};
+constexpr size_t kFlushBytes = 256 << 10;
+
+SocketBio* BioState(BIO* bio) { return static_cast<SocketBio*>(BIO_get_data(bio)); }
+
+// Sends everything collected; false when the socket failed.
+bool FlushBio(SocketBio& state) {
+  size_t sent = 0;
+  while (sent < state.out.size()) {
+    const ssize_t n = send(state.fd, state.out.data() + sent, state.out.size() - sent,
+                           MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    sent += static_cast<size_t>(n);
   }
-  return static_cast<int>(n);
+  state.out.clear();
+  return true;
+}
+
+int SocketWrite(BIO* bio, const char* buf, int len) {
+  SocketBio& state = *BioState(bio);
+  BIO_clear_retry_flags(bio);
+  state.out.append(buf, static_cast<size_t>(len));
+  if (state.out.size() >= kFlushBytes && !FlushBio(state)) return -1;
+  return len;
 }
 
 int SocketRead(BIO* bio, char* buf, int len) {
-  const int fd = static_cast<int>(reinterpret_cast<intptr_t>(BIO_get_data(bio)));
   BIO_clear_retry_flags(bio);
-  const ssize_t n = recv(fd, buf, static_cast<size_t>(len), 0);
+  const ssize_t n = recv(BioState(bio)->fd, buf, static_cast<size_t>(len), 0);
   if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
     BIO_set_retry_read(bio);
   }
   return static_cast<int>(n);
 }
 
-long SocketCtrl(BIO*, int cmd, long, void*) { return cmd == BIO_CTRL_FLUSH ? 1 : 0; }
+long SocketCtrl(BIO* bio, int cmd, long, void*) {
+  if (cmd != BIO_CTRL_FLUSH) return 0;
+  return FlushBio(*BioState(bio)) ? 1 : 0;
+}
 
 int SocketCreate(BIO* bio) {
   BIO_set_init(bio, 1);
+  return 1;
+}
+
+int SocketDestroy(BIO* bio) {
+  delete BioState(bio);
+  BIO_set_data(bio, nullptr);
   return 1;
 }
 
@@ -61,6 +92,7 @@ const BIO_METHOD* SocketBioMethod() {
     BIO_meth_set_read(m, SocketRead);
     BIO_meth_set_ctrl(m, SocketCtrl);
     BIO_meth_set_create(m, SocketCreate);
+    BIO_meth_set_destroy(m, SocketDestroy);
     return m;
   }();
   return method;
@@ -74,7 +106,7 @@ SSL* NewSession(SSL_CTX* ctx, int fd) {
     if (ssl != nullptr) SSL_free(ssl);
     return nullptr;
   }
-  BIO_set_data(bio, reinterpret_cast<void*>(static_cast<intptr_t>(fd)));
+  BIO_set_data(bio, new SocketBio{fd, {}});
   SSL_set_bio(ssl, bio, bio);  // the session owns the BIO
   return ssl;
 }
@@ -141,6 +173,12 @@ absl::StatusOr<std::shared_ptr<const TlsContext>> TlsContext::Make(const SSL_MET
   }
   SSL_CTX_set_min_proto_version(ctx, TLS1_3_VERSION);
   SSL_CTX_set_mode(ctx, SSL_MODE_AUTO_RETRY);
+  // Read ahead: one recv brings in many records, not two per record (header, then body).
+  SSL_CTX_set_read_ahead(ctx, 1);
+  // AES-128-GCM first: ~15% faster than AES-256 with AES-NI (openssl speed, 16 KB blocks).
+  SSL_CTX_set_ciphersuites(
+      ctx, "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1305_SHA256");
+  SSL_CTX_set_default_read_buffer_len(ctx, 256 << 10);
   return std::shared_ptr<const TlsContext>(new TlsContext(ctx));
 }
 
@@ -251,7 +289,8 @@ absl::Status TcpStream::ReadExactly(void* dst, size_t n, absl::Time deadline) {
   if (ssl_ == nullptr) return moe::ReadExactly(fd_, dst, n, deadline);
   auto* p = static_cast<uint8_t*>(dst);
   while (n > 0) {
-    if (SSL_pending(ssl_) == 0) {
+    // Bytes OpenSSL holds already (decrypted or read ahead) need no wait on the socket.
+    if (SSL_has_pending(ssl_) == 0) {
       if (absl::Status s = WaitReady(fd_, POLLIN, deadline); !s.ok()) return s;
     }
     absl::StatusOr<size_t> got = ReadSome(p, n);
@@ -269,7 +308,7 @@ absl::StatusOr<size_t> TcpStream::ReceiveSpinning(void* dst, size_t n, absl::Dur
   while (true) {
     uint8_t probe;
     const ssize_t r =
-        SSL_pending(ssl_) > 0 ? 1 : recv(fd_, &probe, 1, MSG_PEEK | MSG_DONTWAIT);
+        SSL_has_pending(ssl_) != 0 ? 1 : recv(fd_, &probe, 1, MSG_PEEK | MSG_DONTWAIT);
     if (r > 0) return ReadSome(dst, n);  // a record is arriving: read what it holds
     if (r == 0) return absl::UnavailableError("tcp channel: connection closed by the peer");
     if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
@@ -317,7 +356,12 @@ absl::Status TcpStream::WriteAll(iovec* iov, int iov_count, absl::Time deadline)
       return s;
     }
   }
-  if (!scratch_.empty()) return WriteTls(scratch_.data(), scratch_.size(), deadline);
+  if (!scratch_.empty()) {
+    if (absl::Status s = WriteTls(scratch_.data(), scratch_.size(), deadline); !s.ok()) return s;
+  }
+  if (BIO_flush(SSL_get_wbio(ssl_)) != 1) {
+    return absl::UnavailableError("tcp channel tls: send failed (connection closed?)");
+  }
   return absl::OkStatus();
 }
 
