@@ -53,6 +53,10 @@ make_bundle() {
   for name in "${targets[@]}"; do ldd "$B/$name"; done | awk '/=>/ {print $3}' | sort -u |
     grep -Ev '/(libc|libm|libpthread|libdl|librt|libstdc\+\+|libgcc_s)\.so' |
     xargs -r cp -L -t "$B"/lib/
+  # OpenSSL apart: run uses the GPU machine's own where it has one (faster there, as the release
+  # bundle's launchers do).
+  mkdir -p "$B"/lib/openssl
+  for f in "$B"/lib/libssl.so.3 "$B"/lib/libcrypto.so.3; do [[ -f "$f" ]] && mv "$f" "$B"/lib/openssl/; done
   git rev-parse --short HEAD > "$B"/commit
   if ! git diff --quiet HEAD -- kernels bench third_party; then echo "+uncommitted" >> "$B"/commit; fi
   chmod u+w "$B"/*
@@ -74,6 +78,9 @@ run_bundle() {
   if [[ -f "$B"/b.txz ]]; then tar xJf "$B"/b.txz -C "$B"; fi
   has() { [[ -x "$B/$1" ]]; }
   export LD_LIBRARY_PATH="$PWD/$B/lib:${LD_LIBRARY_PATH:-}"
+  if ! { ldconfig -p || /sbin/ldconfig -p; } 2>/dev/null | grep -q 'libcrypto\.so\.3 '; then
+    LD_LIBRARY_PATH="$PWD/$B/lib/openssl:$LD_LIBRARY_PATH"
+  fi
   local commit
   commit="$(tr '\n' ' ' < "$B"/commit)"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu \

@@ -22,6 +22,11 @@ BASE_LIBS=(linux-vdso.so.1 ld-linux-x86-64.so.2 libc.so.6 libm.so.6 libmvec.so.1
   libdl.so.2 librt.so.1 libresolv.so.2 libutil.so.1 libstdc++.so.6 libgcc_s.so.1)
 # The GPU driver's libraries come from the target's driver.
 DRIVER_LIB_RE='^(libcuda\.so.*|libnvidia-.*)$'
+# OpenSSL 3 goes to lib/openssl/, which the launcher puts on the search path only when the target
+# lacks libssl.so.3 / libcrypto.so.3 (or MOE_BUNDLED_OPENSSL=1): the target's own build is tuned
+# for its CPU (on the H200 host Ubuntu's libcrypto ran AES-128-GCM at 14.5 GB/s, the bundled
+# Debian one at 4.8), and OpenSSL keeps its ABI across 3.x.
+OPENSSL_LIB_RE='^(libssl|libcrypto)\.so\.3$'
 # Also searched: the CUDA toolkit's libraries, for a shard that links one of them dynamically
 # (NCCL, cuBLAS; the CUDA runtime itself is linked statically).
 SEARCH_DIRS=(/usr/local/cuda/lib64)
@@ -88,7 +93,9 @@ bundle_libs_of() {
   while read -r soname path; do
     from_target "$soname" && continue
     [[ "$path" != not-found ]] || die "$elf needs $soname, which is not installed"
-    [[ -e "$ROOT/lib/$soname" ]] || install -m 0644 "$path" "$ROOT/lib/$soname"
+    local dest="$ROOT/lib/$soname"
+    [[ "$soname" =~ $OPENSSL_LIB_RE ]] && dest="$ROOT/lib/openssl/$soname"
+    [[ -e "$dest" ]] || install -m 0644 -D "$path" "$dest"
   done < <(needed_libs "$elf" "$(IFS=:; echo "${SEARCH_DIRS[*]}")")
 }
 
@@ -97,10 +104,20 @@ write_launcher() {
   cat >"$ROOT/bin/$launcher" <<EOF
 #!/bin/sh
 # moe-serve launcher: runs libexec/$elf_name with this bundle's lib/ first on the library search
-# path, wherever the bundle was extracted (symlinks to this script are followed).
+# path, wherever the bundle was extracted (symlinks to this script are followed). The bundled
+# OpenSSL (lib/openssl/) only where the system has none (or MOE_BUNDLED_OPENSSL=1).
 self=\$(readlink -f -- "\$0")
 root=\$(dirname -- "\$(dirname -- "\$self")")
-LD_LIBRARY_PATH="\$root/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
+libs="\$root/lib"
+if [ -d "\$root/lib/openssl" ]; then
+  system_libs=\$({ ldconfig -p || /sbin/ldconfig -p; } 2>/dev/null)
+  case "\${MOE_BUNDLED_OPENSSL:-0}:\$system_libs" in
+    1:*) libs="\$libs:\$root/lib/openssl" ;;
+    *"libssl.so.3 "*"libcrypto.so.3 "* | *"libcrypto.so.3 "*"libssl.so.3 "*) ;;
+    *) libs="\$libs:\$root/lib/openssl" ;;
+  esac
+fi
+LD_LIBRARY_PATH="\$libs\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 export LD_LIBRARY_PATH
 exec "\$root/libexec/$elf_name" "\$@"
 EOF
@@ -118,17 +135,19 @@ done
 install -m 0755 "$DEMO" "$ROOT/bin/moe-demo"
 install -m 0644 "$README" "$ROOT/README.md"
 
-# Every library must now resolve from lib/ alone (plus the base set).
-for elf in "$ROOT"/libexec/* "$ROOT"/lib/*; do
+# Every library must now resolve from lib/ and lib/openssl/ alone (plus the base set).
+for elf in "$ROOT"/libexec/* "$ROOT"/lib/*.so* "$ROOT"/lib/openssl/*; do
+  [[ -f "$elf" ]] || continue
   while read -r soname path; do
     from_target "$soname" && continue
-    [[ "$path" == "$ROOT/lib/$soname" ]] || die "$(basename "$elf"): $soname resolves to $path"
-  done < <(needed_libs "$elf" "$ROOT/lib")
+    [[ "$path" == "$ROOT/lib/$soname" || "$path" == "$ROOT/lib/openssl/$soname" ]] ||
+      die "$(basename "$elf"): $soname resolves to $path"
+  done < <(needed_libs "$elf" "$ROOT/lib:$ROOT/lib/openssl")
 done
 
 # The newest symbol versions the bundle needs from the target's base libraries.
 newest_version() {
-  objdump -T "$ROOT"/libexec/* "$ROOT"/lib/* 2>/dev/null | grep -o "\b$1_[0-9][0-9.]*" |
+  objdump -T "$ROOT"/libexec/* "$ROOT"/lib/*.so* "$ROOT"/lib/openssl/* 2>/dev/null | grep -o "\b$1_[0-9][0-9.]*" |
     sort -uV | tail -n 1
 }
 {
@@ -137,7 +156,7 @@ newest_version() {
   echo "cuda: $CUDA"
   echo "requires: $(newest_version GLIBC) $(newest_version GLIBCXX) $(newest_version CXXABI)"
   echo "binaries: $(cd "$ROOT/libexec" && echo *)"
-  echo "libraries: $(cd "$ROOT/lib" && echo *)"
+  echo "libraries: $(cd "$ROOT/lib" && echo *.so* openssl/*)"
 } >"$ROOT/BUILD_INFO"
 
 # Reproducible archive: sorted names, fixed owner and time, no gzip timestamp.

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The runtime bundle on a machine without the build's libraries: extracts //deploy:bundle into an
 # empty directory and
-#  1. checks its layout, and that with only its lib/ on the search path every library of every
-#     ELF file resolves into lib/ except the base set a plain Ubuntu 24.04 has (glibc, libstdc++,
-#     libgcc_s), and that the glibc / libstdc++ symbol versions it needs exist on Ubuntu 24.04;
+#  1. checks its layout, and that with only its lib/ (and lib/openssl/) on the search path every
+#     library of every ELF file resolves into them except the base set a plain Ubuntu 24.04 has
+#     (glibc, libstdc++, libgcc_s), that the glibc / libstdc++ symbol versions it needs exist on
+#     Ubuntu 24.04, and that a launcher adds lib/openssl/ only where the system has no OpenSSL 3
+#     (or MOE_BUNDLED_OPENSSL=1);
 #  2. runs the bundle's demo (coordinator + 2 shards + the verified `moectl workload`, fewer steps)
 #     with the build's libraries hidden: in a private mount namespace (unshare -m) /usr/include,
 #     /usr/local/cuda and every system copy of a bundled library (runtime files, -dev symlinks and
 #     static archives) are covered, so a library missing from the bundle fails to load. Where
-#     mount namespaces are not allowed it says so and runs with a clean environment instead;
+#     mount namespaces are not allowed it says so and runs with a clean environment instead
+#     (both with MOE_BUNDLED_OPENSSL=1: the hidden system stands for one without OpenSSL);
 #  3. traces the dynamic loader (LD_DEBUG=libs) in every moe-serve process of the demo and checks
 #     that each library it initialised came from the bundle's lib/ or the base set.
 set -euo pipefail
@@ -38,33 +41,53 @@ for f in bin/moe-coordinator bin/moe-shard bin/moectl bin/moe-demo libexec/moe_c
   [[ -f "$ROOT/$f" ]] || fail "missing $f"
 done
 for lib in libgrpc++.so.1.51 libgrpc.so.29 libprotobuf.so.32 libglog.so.1 libgflags.so.2.2 \
-  libcares.so.2 libre2.so.9 libssl.so.3 libcrypto.so.3 libz.so.1 libupb.so.29 \
+  libcares.so.2 libre2.so.9 openssl/libssl.so.3 openssl/libcrypto.so.3 libz.so.1 libupb.so.29 \
   libaddress_sorting.so.29 libabsl_strings.so.20220623; do
   [[ -f "$ROOT/lib/$lib" ]] || fail "lib/$lib missing"
 done
-for lib in "$ROOT"/lib/*; do
+elfs=("$ROOT"/libexec/* "$ROOT"/lib/*.so* "$ROOT"/lib/openssl/*)
+for lib in "$ROOT"/lib/*.so* "$ROOT"/lib/openssl/*; do
   is_base "$(basename "$lib")" && fail "bundle carries base library $(basename "$lib")"
 done
 checked=0
-for elf in "$ROOT"/libexec/* "$ROOT"/lib/*; do
+for elf in "${elfs[@]}"; do
   while read -r soname arrow path _; do
     [[ "$arrow" == "=>" ]] || continue
     [[ "$path" != not ]] || fail "$(basename "$elf"): $soname not found"
     if is_base "$soname"; then
       [[ "$path" != "$ROOT"/* ]] || fail "$soname taken from the bundle"
     else
-      [[ "$path" == "$ROOT/lib/$soname" ]] || fail "$(basename "$elf"): $soname -> $path"
+      [[ "$path" == "$ROOT/lib/$soname" || "$path" == "$ROOT/lib/openssl/$soname" ]] ||
+        fail "$(basename "$elf"): $soname -> $path"
     fi
     checked=$((checked + 1))
-  done < <(env -i LD_LIBRARY_PATH="$ROOT/lib" ldd "$elf")
+  done < <(env -i LD_LIBRARY_PATH="$ROOT/lib:$ROOT/lib/openssl" ldd "$elf")
 done
-elfs=("$ROOT"/libexec/* "$ROOT"/lib/*)
 echo "ldd: $checked library references of ${#elfs[@]} ELF files resolve into the bundle or the" \
   "base set"
 readelf -d "$ROOT"/libexec/* | grep -qE 'R(UN)?PATH' && fail "a binary has an RPATH/RUNPATH"
 
+# The launcher's OpenSSL choice, against a stand-in ldconfig on PATH: its library path ends
+# with lib/openssl only where the system lists no libssl.so.3 / libcrypto.so.3.
+mkdir "$WORK/fakebin_none" "$WORK/fakebin_both"
+printf '#!/bin/sh\necho "1 libs found in cache"\n' >"$WORK/fakebin_none/ldconfig"
+printf '#!/bin/sh\nprintf "\\tlibssl.so.3 (libc6,x86-64) => /x/libssl.so.3\\n\\tlibcrypto.so.3 (libc6,x86-64) => /x/libcrypto.so.3\\n"\n' \
+  >"$WORK/fakebin_both/ldconfig"
+chmod +x "$WORK"/fakebin_*/ldconfig
+sed 's|^exec .*|echo "$LD_LIBRARY_PATH"|' "$ROOT/bin/moectl" >"$ROOT/bin/print-libs"
+chmod +x "$ROOT/bin/print-libs"
+with_none="$(env -i PATH="$WORK/fakebin_none:/usr/bin:/bin" "$ROOT/bin/print-libs")"
+with_both="$(env -i PATH="$WORK/fakebin_both:/usr/bin:/bin" "$ROOT/bin/print-libs")"
+forced="$(env -i PATH="$WORK/fakebin_both:/usr/bin:/bin" MOE_BUNDLED_OPENSSL=1 \
+  "$ROOT/bin/print-libs")"
+rm "$ROOT/bin/print-libs"
+[[ "$with_none" == "$ROOT/lib:$ROOT/lib/openssl" ]] || fail "no system OpenSSL: $with_none"
+[[ "$with_both" == "$ROOT/lib" ]] || fail "system OpenSSL: $with_both"
+[[ "$forced" == "$ROOT/lib:$ROOT/lib/openssl" ]] || fail "MOE_BUNDLED_OPENSSL=1: $forced"
+echo "launcher: the bundled OpenSSL only without a system one or when asked"
+
 newest() {
-  objdump -T "$ROOT"/libexec/* "$ROOT"/lib/* | grep -o "\b$1_[0-9][0-9.]*" | sed "s/^$1_//" |
+  objdump -T "${elfs[@]}" | grep -o "\b$1_[0-9][0-9.]*" | sed "s/^$1_//" |
     sort -uV | tail -n 1
 }
 for pair in "GLIBC $TARGET_GLIBC" "GLIBCXX $TARGET_GLIBCXX" "CXXABI $TARGET_CXXABI"; do
@@ -108,7 +131,7 @@ echo "hidden: /usr/include, /usr/local/cuda and ${#hidden[@]} system files of th
 [[ ! -s /usr/lib/x86_64-linux-gnu/libgrpc.so.29 ]] || { echo "libgrpc still visible"; exit 1; }
 cd /
 exec env -i PATH=/usr/bin:/bin HOME=/nonexistent TMPDIR="$TMPDIR" LD_DEBUG=libs \
-  LD_DEBUG_OUTPUT="$trace/ld" "$root/bin/moe-demo" --steps 24 --tokens 8
+  LD_DEBUG_OUTPUT="$trace/ld" MOE_BUNDLED_OPENSSL=1 "$root/bin/moe-demo" --steps 24 --tokens 8
 EOF
 mkdir "$WORK/trace"
 if unshare -m true 2>/dev/null; then
@@ -119,7 +142,8 @@ else
     "stay visible; the demo runs with a clean environment and the loader trace below proves" \
     "where each library came from"
   env -i PATH=/usr/bin:/bin HOME=/nonexistent TMPDIR="$WORK" LD_DEBUG=libs \
-    LD_DEBUG_OUTPUT="$WORK/trace/ld" "$ROOT/bin/moe-demo" --steps 24 --tokens 8 |
+    LD_DEBUG_OUTPUT="$WORK/trace/ld" MOE_BUNDLED_OPENSSL=1 "$ROOT/bin/moe-demo" --steps 24 \
+    --tokens 8 |
     tee "$WORK/demo.out"
 fi
 grep -q "coordinator load counts match the client's routed counts exactly" "$WORK/demo.out" ||
@@ -139,7 +163,8 @@ for t in "$WORK"/trace/ld.*; do
   while read -r path; do
     soname="$(basename "$path")"
     if is_base "$soname"; then continue; fi
-    [[ "$path" == "$ROOT/lib/$soname" ]] || fail "$binary (trace $(basename "$t")) loaded $path"
+    [[ "$path" == "$ROOT/lib/$soname" || "$path" == "$ROOT/lib/openssl/$soname" ]] ||
+      fail "$binary (trace $(basename "$t")) loaded $path"
   done < <(sed -n 's/.*calling init: //p' "$t")
 done
 for b in moe_coordinator moe_shard moectl; do
