@@ -79,7 +79,8 @@ ABSL_FLAG(int, tcp_channel_spin_us,
           "core is busy while it polls); 0: never poll");
 ABSL_FLAG(int, tcp_channel_max_connections, 256,
           "with --tcp_channel: most data connections open at once (each holds a thread); more "
-          "are refused with RESOURCE_EXHAUSTED (MoeClient then uses gRPC calls)");
+          "are refused with RESOURCE_EXHAUSTED, or closed under TLS (MoeClient then uses gRPC "
+          "calls)");
 ABSL_FLAG(std::string, metrics_port_file, "", "write the bound metrics port to this file");
 ABSL_FLAG(std::string, http_host, "127.0.0.1", "address the metrics HTTP endpoint listens on");
 ABSL_FLAG(int, max_connection_age_seconds, 300,
