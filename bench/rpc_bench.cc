@@ -143,10 +143,8 @@ std::shared_ptr<const TlsContext> ClientTls() {
   static const std::shared_ptr<const TlsContext>* const tls = [] {
     auto* out = new std::shared_ptr<const TlsContext>();
     if (const std::string dir = absl::GetFlag(FLAGS_tcp_tls_dir); !dir.empty()) {
-      absl::StatusOr<std::string> cert = ReadSecretFile(dir + "/cert.pem");
       absl::StatusOr<std::shared_ptr<const TlsContext>> ctx =
-          cert.ok() ? TlsContext::ForClient(*cert)
-                    : absl::StatusOr<std::shared_ptr<const TlsContext>>(cert.status());
+          TcpTlsClientFromFile(dir + "/cert.pem");
       if (!ctx.ok()) {
         std::fprintf(stderr, "rpc_bench: --tcp_tls_dir: %s\n", ctx.status().ToString().c_str());
         std::exit(1);
@@ -843,11 +841,8 @@ absl::StatusOr<std::unique_ptr<LocalShard>> StartLocalShard(const RequestShape& 
     options.tcp_channel_spin = absl::Microseconds(spin);
   }
   if (const std::string dir = absl::GetFlag(FLAGS_tcp_tls_dir); !dir.empty()) {
-    absl::StatusOr<std::string> cert = ReadSecretFile(dir + "/cert.pem");
-    if (!cert.ok()) return cert.status();
-    absl::StatusOr<std::string> key = ReadSecretFile(dir + "/key.pem");
-    if (!key.ok()) return key.status();
-    absl::StatusOr<std::shared_ptr<const TlsContext>> tls = TlsContext::ForServer(*cert, *key);
+    absl::StatusOr<std::shared_ptr<const TlsContext>> tls =
+        TcpTlsServerFromFiles(dir + "/cert.pem", dir + "/key.pem");
     if (!tls.ok()) return tls.status();
     options.tcp_channel_tls = *std::move(tls);
   }

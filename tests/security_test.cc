@@ -194,19 +194,17 @@ TEST_F(SecurityTest, MutualTls) {
   };
   ChannelSecurity valid = tls(pki->node_cert, pki->node_key, kFrontendToken);
   // The roots for the shards' TLS TCP channels too (MakeChannelSecurity sets them from the CA).
-  absl::StatusOr<std::string> ca = ReadSecretFile(pki->ca);
-  ASSERT_TRUE(ca.ok()) << ca.status();
-  absl::StatusOr<std::shared_ptr<const TlsContext>> tcp_tls = TlsContext::ForClient(*ca);
+  absl::StatusOr<std::shared_ptr<const TlsContext>> tcp_tls = TcpTlsClientFromFile(pki->ca);
   ASSERT_TRUE(tcp_tls.ok()) << tcp_tls.status();
   valid.tcp_tls = *tcp_tls;
   SetDefaultChannelSecurity(valid);
   std::vector<std::string> shard_flags = flags;
   shard_flags.push_back("--tcp_channel");
-  absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(
-      {.model_dir = model_dir_,
-       .num_shards = 2,
-       .shard_flags = shard_flags,
-       .coordinator_flags = flags});
+  absl::StatusOr<std::unique_ptr<LocalCluster>> cluster =
+      LocalCluster::Start({.model_dir = model_dir_,
+                           .num_shards = 2,
+                           .shard_flags = shard_flags,
+                           .coordinator_flags = flags});
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   const std::string coordinator = (*cluster)->coordinator_address();
   const std::string shard0 = (*cluster)->shard_address(0);

@@ -18,20 +18,14 @@
 #include "server/common/tls.h"
 #include "server/shard/in_process_shard.h"
 #include "server/shard/transport_test_util.h"
-#include "tests/security_fixtures.h"
 #include "tests/local_cluster.h"
+#include "tests/security_fixtures.h"
 
 namespace moe::testing {
 namespace {
 
 constexpr int64_t kHidden = 128;
 constexpr char kModel[] = "tcp_channel_tls_model";
-
-std::string Read(const std::string& path) {
-  absl::StatusOr<std::string> text = ReadSecretFile(path);
-  EXPECT_TRUE(text.ok()) << text.status();
-  return text.ok() ? *text : "";
-}
 
 class TcpChannelTlsTest : public ::testing::Test {
  protected:
@@ -40,10 +34,9 @@ class TcpChannelTlsTest : public ::testing::Test {
     ASSERT_TRUE(pki.ok()) << pki.status();
     pki_ = *pki;
     absl::StatusOr<std::shared_ptr<const TlsContext>> server =
-        TlsContext::ForServer(Read(pki_.node_cert), Read(pki_.node_key));
+        TcpTlsServerFromFiles(pki_.node_cert, pki_.node_key);
     ASSERT_TRUE(server.ok()) << server.status();
-    absl::StatusOr<std::shared_ptr<const TlsContext>> client =
-        TlsContext::ForClient(Read(pki_.ca));
+    absl::StatusOr<std::shared_ptr<const TlsContext>> client = TcpTlsClientFromFile(pki_.ca);
     ASSERT_TRUE(client.ok()) << client.status();
     client_tls_ = *client;
     InProcessShardOptions options;
@@ -107,8 +100,7 @@ TEST_F(TcpChannelTlsTest, ClientRefusesWhatItCannotVerify) {
   // No roots at all.
   EXPECT_EQ(Open(nullptr).status().code(), absl::StatusCode::kFailedPrecondition);
   // Roots of another CA: the shard's certificate does not chain to them.
-  absl::StatusOr<std::shared_ptr<const TlsContext>> rogue =
-      TlsContext::ForClient(Read(pki_.rogue_cert));
+  absl::StatusOr<std::shared_ptr<const TlsContext>> rogue = TcpTlsClientFromFile(pki_.rogue_cert);
   ASSERT_TRUE(rogue.ok()) << rogue.status();
   absl::StatusOr<std::unique_ptr<TcpChannel>> refused = Open(*rogue);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
@@ -123,7 +115,7 @@ TEST_F(TcpChannelTlsTest, ClientRefusesWhatItCannotVerify) {
   // Garbage for a context.
   EXPECT_EQ(TlsContext::ForClient("not a certificate").status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(TlsContext::ForServer(Read(pki_.node_cert), Read(pki_.rogue_key)).status().code(),
+  EXPECT_EQ(TcpTlsServerFromFiles(pki_.node_cert, pki_.rogue_key).status().code(),
             absl::StatusCode::kInvalidArgument);
   // The shard serves on.
   absl::StatusOr<std::unique_ptr<TcpChannel>> ok = Open(client_tls_);
@@ -141,8 +133,7 @@ TEST_F(TcpChannelTlsTest, PlaintextPeerOnTheTlsPortIsTurnedAway) {
   // A plaintext hello where the ClientHello belongs.
   std::string hello(kTcpChannelMagic, sizeof(kTcpChannelMagic));
   hello += std::string(kTcpChannelTicketBytes, 'x');
-  ASSERT_EQ(send(fd, hello.data(), hello.size(), MSG_NOSIGNAL),
-            static_cast<ssize_t>(hello.size()));
+  ASSERT_EQ(send(fd, hello.data(), hello.size(), MSG_NOSIGNAL), static_cast<ssize_t>(hello.size()));
   char buf[256];
   ssize_t n;
   while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) {

@@ -57,11 +57,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFromFl
 absl::StatusOr<std::shared_ptr<const TlsContext>> TcpChannelTlsFromFlags() {
   const TlsOptions tls = TlsFromFlags();
   if (!ServerTlsEnabled(tls)) return std::shared_ptr<const TlsContext>();
-  absl::StatusOr<std::string> cert = ReadSecretFile(tls.cert_file);
-  if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key = ReadSecretFile(tls.key_file);
-  if (!key.ok()) return key.status();
-  return TlsContext::ForServer(*cert, *key);
+  return TcpTlsServerFromFiles(tls.cert_file, tls.key_file);
 }
 
 absl::Status InstallClientSecurityFromFlags() {

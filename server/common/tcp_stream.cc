@@ -42,8 +42,8 @@ SocketBio* BioState(BIO* bio) { return static_cast<SocketBio*>(BIO_get_data(bio)
 bool FlushBio(SocketBio& state) {
   size_t sent = 0;
   while (sent < state.out.size()) {
-    const ssize_t n = send(state.fd, state.out.data() + sent, state.out.size() - sent,
-                           MSG_NOSIGNAL);
+    const ssize_t n =
+        send(state.fd, state.out.data() + sent, state.out.size() - sent, MSG_NOSIGNAL);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) return false;
     sent += static_cast<size_t>(n);
@@ -182,7 +182,6 @@ absl::StatusOr<std::shared_ptr<const TlsContext>> TlsContext::Make(const SSL_MET
   return std::shared_ptr<const TlsContext>(new TlsContext(ctx));
 }
 
-
 absl::StatusOr<std::shared_ptr<const TlsContext>> TlsContext::ForServer(
     const std::string& cert_pem, const std::string& key_pem) {
   absl::StatusOr<std::shared_ptr<const TlsContext>> tls = Make(TLS_server_method());
@@ -191,7 +190,8 @@ absl::StatusOr<std::shared_ptr<const TlsContext>> TlsContext::ForServer(
   SSL_CTX_set_num_tickets(ctx, 0);  // no resumption: nothing arrives after the handshake
   if (absl::Status s = LoadPem(ctx, cert_pem, /*chain=*/true); !s.ok()) return s;
   BIO* bio = BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size()));
-  EVP_PKEY* key = bio != nullptr ? PEM_read_bio_PrivateKey(bio, nullptr, nullptr, nullptr) : nullptr;
+  EVP_PKEY* key =
+      bio != nullptr ? PEM_read_bio_PrivateKey(bio, nullptr, nullptr, nullptr) : nullptr;
   if (bio != nullptr) BIO_free(bio);
   const bool ok = key != nullptr && SSL_CTX_use_PrivateKey(ctx, key) == 1 &&
                   SSL_CTX_check_private_key(ctx) == 1;
@@ -218,59 +218,52 @@ TcpStream::~TcpStream() {
 
 absl::StatusOr<std::unique_ptr<TcpStream>> TcpStream::AcceptTls(int fd, const TlsContext& tls,
                                                                 absl::Time deadline) {
-  SSL* ssl = NewSession(tls.ctx(), fd);
-  if (ssl == nullptr) {
-    return absl::InternalError(absl::StrCat("tcp channel tls: SSL_new: ", OpenSslErrors()));
-  }
-  std::unique_ptr<TcpStream> stream(new TcpStream(fd, ssl));
-  SetSocketTimeouts(fd, deadline - absl::Now());
-  const int rc = SSL_accept(ssl);
-  SetSocketTimeouts(fd, absl::ZeroDuration());
-  if (rc != 1) {
-    return absl::Now() >= deadline
-               ? absl::DeadlineExceededError("tcp channel tls: no handshake in time")
-               : absl::UnavailableError(
-                     absl::StrCat("tcp channel tls: handshake failed: ", OpenSslErrors()));
-  }
-  return stream;
+  return Handshake(fd, tls, nullptr, deadline);
 }
 
 absl::StatusOr<std::unique_ptr<TcpStream>> TcpStream::ConnectTls(int fd, const TlsContext& tls,
                                                                  const std::string& host,
                                                                  absl::Time deadline) {
+  return Handshake(fd, tls, &host, deadline);
+}
+
+absl::StatusOr<std::unique_ptr<TcpStream>> TcpStream::Handshake(int fd, const TlsContext& tls,
+                                                                const std::string* host,
+                                                                absl::Time deadline) {
   SSL* ssl = NewSession(tls.ctx(), fd);
   if (ssl == nullptr) {
     return absl::InternalError(absl::StrCat("tcp channel tls: SSL_new: ", OpenSslErrors()));
   }
   std::unique_ptr<TcpStream> stream(new TcpStream(fd, ssl));
-  // The certificate must name the host: an IP address as an IP SAN, a name as a DNS SAN.
-  in6_addr addr6;
-  in_addr addr4;
-  const bool ip = inet_pton(AF_INET, host.c_str(), &addr4) == 1 ||
-                  inet_pton(AF_INET6, host.c_str(), &addr6) == 1;
-  X509_VERIFY_PARAM* param = SSL_get0_param(ssl);
-  const int named = ip ? X509_VERIFY_PARAM_set1_ip_asc(param, host.c_str())
-                       : X509_VERIFY_PARAM_set1_host(param, host.c_str(), host.size());
-  if (named != 1 || (!ip && SSL_set_tlsext_host_name(ssl, host.c_str()) != 1)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tcp channel tls: cannot verify against host '", host, "'"));
+  if (host != nullptr) {
+    // The certificate must name the host: an IP address as an IP SAN, a name as a DNS SAN.
+    in6_addr addr6;
+    in_addr addr4;
+    const bool ip = inet_pton(AF_INET, host->c_str(), &addr4) == 1 ||
+                    inet_pton(AF_INET6, host->c_str(), &addr6) == 1;
+    X509_VERIFY_PARAM* param = SSL_get0_param(ssl);
+    const int named = ip ? X509_VERIFY_PARAM_set1_ip_asc(param, host->c_str())
+                         : X509_VERIFY_PARAM_set1_host(param, host->c_str(), host->size());
+    if (named != 1 || (!ip && SSL_set_tlsext_host_name(ssl, host->c_str()) != 1)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tcp channel tls: cannot verify against host '", *host, "'"));
+    }
   }
   SetSocketTimeouts(fd, deadline - absl::Now());
-  const int rc = SSL_connect(ssl);
+  const int rc = host != nullptr ? SSL_connect(ssl) : SSL_accept(ssl);
   SetSocketTimeouts(fd, absl::ZeroDuration());
-  if (rc != 1) {
-    const long verify = SSL_get_verify_result(ssl);
-    if (verify != X509_V_OK) {
+  if (rc == 1) return stream;
+  if (host != nullptr) {
+    if (const long verify = SSL_get_verify_result(ssl); verify != X509_V_OK) {
       return absl::UnavailableError(
-          absl::StrCat("tcp channel tls: the shard's certificate did not verify for '", host,
+          absl::StrCat("tcp channel tls: the shard's certificate did not verify for '", *host,
                        "': ", X509_verify_cert_error_string(verify)));
     }
-    return absl::Now() >= deadline
-               ? absl::DeadlineExceededError("tcp channel tls: no handshake in time")
-               : absl::UnavailableError(
-                     absl::StrCat("tcp channel tls: handshake failed: ", OpenSslErrors()));
   }
-  return stream;
+  return absl::Now() >= deadline
+             ? absl::DeadlineExceededError("tcp channel tls: no handshake in time")
+             : absl::UnavailableError(
+                   absl::StrCat("tcp channel tls: handshake failed: ", OpenSslErrors()));
 }
 
 absl::StatusOr<size_t> TcpStream::ReadSome(void* dst, size_t n) {

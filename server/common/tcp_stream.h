@@ -61,8 +61,9 @@ class TcpStream {
   // TLS: the server's handshake on an accepted socket, or the client's (verifying the server's
   // certificate against `host`, a name or an IP address). UNAVAILABLE naming the failure, or
   // DEADLINE_EXCEEDED.
-  [[nodiscard]] static absl::StatusOr<std::unique_ptr<TcpStream>> AcceptTls(
-      int fd, const TlsContext& tls, absl::Time deadline);
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<TcpStream>> AcceptTls(int fd,
+                                                                            const TlsContext& tls,
+                                                                            absl::Time deadline);
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<TcpStream>> ConnectTls(
       int fd, const TlsContext& tls, const std::string& host, absl::Time deadline);
   ~TcpStream();
@@ -79,6 +80,11 @@ class TcpStream {
 
  private:
   TcpStream(int fd, SSL* ssl) : fd_(fd), ssl_(ssl) {}
+  // The TLS handshake on `fd`: a client's (verifying the certificate for *host) when host is
+  // given, else a server's.
+  static absl::StatusOr<std::unique_ptr<TcpStream>> Handshake(int fd, const TlsContext& tls,
+                                                              const std::string* host,
+                                                              absl::Time deadline);
   // One SSL_read of at most `n` bytes (>= 1 returned); UNAVAILABLE when the peer closed or the
   // connection failed.
   absl::StatusOr<size_t> ReadSome(void* dst, size_t n);

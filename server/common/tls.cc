@@ -106,9 +106,7 @@ absl::StatusOr<ChannelSecurity> MakeChannelSecurity(const TlsOptions& options,
   if (ClientTlsEnabled(options)) {
     security.credentials = *std::move(credentials);
     if (!options.ca_file.empty()) {
-      absl::StatusOr<std::string> ca = ReadSecretFile(options.ca_file);
-      if (!ca.ok()) return ca.status();
-      absl::StatusOr<std::shared_ptr<const TlsContext>> tcp = TlsContext::ForClient(*ca);
+      absl::StatusOr<std::shared_ptr<const TlsContext>> tcp = TcpTlsClientFromFile(options.ca_file);
       if (!tcp.ok()) return tcp.status();
       security.tcp_tls = *std::move(tcp);
     }
@@ -122,6 +120,21 @@ absl::StatusOr<ChannelSecurity> MakeChannelSecurity(const TlsOptions& options,
     }
   }
   return security;
+}
+
+absl::StatusOr<std::shared_ptr<const TlsContext>> TcpTlsServerFromFiles(
+    const std::string& cert_file, const std::string& key_file) {
+  absl::StatusOr<std::string> cert = ReadSecretFile(cert_file);
+  if (!cert.ok()) return cert.status();
+  absl::StatusOr<std::string> key = ReadSecretFile(key_file);
+  if (!key.ok()) return key.status();
+  return TlsContext::ForServer(*cert, *key);
+}
+
+absl::StatusOr<std::shared_ptr<const TlsContext>> TcpTlsClientFromFile(const std::string& ca_file) {
+  absl::StatusOr<std::string> ca = ReadSecretFile(ca_file);
+  if (!ca.ok()) return ca.status();
+  return TlsContext::ForClient(*ca);
 }
 
 std::shared_ptr<grpc::Channel> CreateSecureChannel(const std::string& address,

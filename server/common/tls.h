@@ -70,6 +70,13 @@ struct ChannelSecurity {
 absl::StatusOr<ChannelSecurity> MakeChannelSecurity(const TlsOptions& options,
                                                     const std::string& token_file);
 
+// TLS contexts of the TCP request channels (tcp_stream.h) from PEM files: a server's from its
+// certificate chain and key, a client's from its CA. NOT_FOUND for a missing file,
+// INVALID_ARGUMENT for PEM that OpenSSL refuses.
+absl::StatusOr<std::shared_ptr<const TlsContext>> TcpTlsServerFromFiles(
+    const std::string& cert_file, const std::string& key_file);
+absl::StatusOr<std::shared_ptr<const TlsContext>> TcpTlsClientFromFile(const std::string& ca_file);
+
 // A channel to `address` with `security` and `args`.
 std::shared_ptr<grpc::Channel> CreateSecureChannel(const std::string& address,
                                                    const ChannelSecurity& security,
