@@ -205,9 +205,12 @@ std::unique_ptr<TcpChannel> MoeClient::TakeTcpChannel(ShardStubs* stubs, absl::T
       *error = absl::FailedPreconditionError("a TCP channel to this shard failed to open recently");
       return nullptr;
     }
-    if (!stubs->idle_tcp.empty()) {
-      std::unique_ptr<TcpChannel> c = std::move(stubs->idle_tcp.back());
-      stubs->idle_tcp.pop_back();
+    // kAuto under TLS reuses TLS channels only (a kAlways call may have left a plaintext one).
+    const bool need_tls = fall_back && encrypted_;
+    for (auto it = stubs->idle_tcp.rbegin(); it != stubs->idle_tcp.rend(); ++it) {
+      if (need_tls && !(*it)->tls()) continue;
+      std::unique_ptr<TcpChannel> c = std::move(*it);
+      stubs->idle_tcp.erase(std::next(it).base());
       return c;
     }
   }
