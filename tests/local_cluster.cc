@@ -321,15 +321,17 @@ std::string LocalCluster::Logs() const {
 }
 
 absl::StatusOr<std::unique_ptr<StandaloneShard>> StandaloneShard::Start(
-    const std::string& model_dir, const std::string& backend, absl::Duration start_timeout) {
+    const std::string& model_dir, const std::string& backend, absl::Duration start_timeout,
+    std::vector<std::string> extra_flags) {
   const absl::Time deadline = absl::Now() + start_timeout;
   const std::string dir = FreshTestDir("standalone");
   std::unique_ptr<StandaloneShard> shard(new StandaloneShard());
+  std::vector<std::string> flags = {absl::StrCat("--model=", model_dir), "--port=0",
+                                    absl::StrCat("--port_file=", dir, "/shard.port"),
+                                    absl::StrCat("--backend=", backend)};
+  for (std::string& f : extra_flags) flags.push_back(std::move(f));
   absl::StatusOr<std::unique_ptr<ChildProcess>> process = ChildProcess::Spawn(
-      "standalone moe_shard", RunfilePath("server/shard/moe_shard"),
-      {absl::StrCat("--model=", model_dir), "--port=0",
-       absl::StrCat("--port_file=", dir, "/shard.port"), absl::StrCat("--backend=", backend)},
-      dir + "/shard.log");
+      "standalone moe_shard", RunfilePath("server/shard/moe_shard"), flags, dir + "/shard.log");
   if (!process.ok()) return process.status();
   shard->process_ = *std::move(process);
   absl::StatusOr<int> port = shard->process_->WaitForPortFile(dir + "/shard.port", deadline);

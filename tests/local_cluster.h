@@ -145,7 +145,7 @@ class StandaloneShard {
  public:
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<StandaloneShard>> Start(
       const std::string& model_dir, const std::string& backend = "cpu",
-      absl::Duration start_timeout = absl::Seconds(60));
+      absl::Duration start_timeout = absl::Seconds(60), std::vector<std::string> extra_flags = {});
   StandaloneShard(const StandaloneShard&) = delete;
   StandaloneShard& operator=(const StandaloneShard&) = delete;
   ~StandaloneShard();

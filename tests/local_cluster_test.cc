@@ -5,6 +5,8 @@
 #include <sys/wait.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
@@ -20,6 +22,22 @@ TEST(LocalClusterTest, ShardThatCannotOpenItsModelIsReportedWithItsLog) {
   ASSERT_FALSE(shard.ok());
   EXPECT_EQ(shard.status().code(), absl::StatusCode::kUnavailable) << shard.status();
   EXPECT_TRUE(absl::StrContains(shard.status().message(), "cannot open model")) << shard.status();
+}
+
+// Out-of-range TCP channel flags stop the shard before it listens, naming the flag.
+TEST(LocalClusterTest, ShardRefusesBadTcpChannelFlags) {
+  const std::string model_dir = FreshTestDir("flags_model");
+  ASSERT_TRUE(model::GenerateModel({}, model_dir).ok());
+  for (const auto& [flag, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--tcp_channel_spin_us=-1", "--tcp_channel_spin_us=-1: must be in [0, 1000000]"},
+           {"--tcp_channel_spin_us=2000000", "--tcp_channel_spin_us=2000000: must be in"},
+           {"--tcp_channel_max_connections=0", "--tcp_channel_max_connections=0: must be in"}}) {
+    SCOPED_TRACE(flag);
+    absl::StatusOr<std::unique_ptr<StandaloneShard>> shard =
+        StandaloneShard::Start(model_dir, "cpu", absl::Seconds(30), {"--tcp_channel", flag});
+    ASSERT_FALSE(shard.ok());
+    EXPECT_TRUE(absl::StrContains(shard.status().message(), message)) << shard.status();
+  }
 }
 
 TEST(LocalClusterTest, ServersExitZeroOnSigterm) {
