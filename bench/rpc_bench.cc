@@ -117,6 +117,12 @@ ABSL_FLAG(std::string, think_us, "0",
           "microseconds each client sleeps between its calls, comma-separated (each value a case "
           "of its own; not the cuda mode): a frontend's own work between two layers, during which "
           "the shard's threads go idle, so the figures include their wake-ups");
+ABSL_FLAG(int64_t, max_batch_tokens, 1 << 20,
+          "in-process shard: token budget of one merged executor batch (moe_shard "
+          "--max_batch_tokens); the tokens per request turns cross-request batching off");
+ABSL_FLAG(int64_t, max_batch_wait_us, 0,
+          "in-process shard: how long the executor may wait for more requests before running an "
+          "under-budget batch (moe_shard --max_batch_wait_us)");
 ABSL_FLAG(double, seconds, 1.0, "timed seconds per case (at least 3 calls per client)");
 ABSL_FLAG(int64_t, max_inflight_mib, 128, "skip cases where clients * payload exceeds this");
 ABSL_FLAG(std::string, backend, "cpu",
@@ -181,6 +187,7 @@ struct CaseResult {
   int64_t errors = 0;
   std::string first_error;
   double wall_s = 0, p50_us = 0, p99_us = 0, mean_us = 0, effective_gbps = 0;
+  double tokens_per_s = 0;  // all clients' tokens answered per second of the timed window
   // The shard's side (BenchObserver) over the timed window.
   double shard_p50_us = 0, batch_p50_us = 0, requests_per_batch = 0;
   int64_t batches = 0;
@@ -590,6 +597,7 @@ CaseResult RunCudaCase(const Case& c, const std::string& address, const RequestS
   r.p99_us = p99;
   r.mean_us = mean;
   r.effective_gbps = seconds > 0 ? 2.0 * r.payload_bytes * calls / seconds / 1e9 : 0;
+  r.tokens_per_s = seconds > 0 ? static_cast<double>(r.c.tokens) * calls / seconds : 0;
   TakeShardSide(observer, backend, direct_before, r);
   return r;
 }
@@ -656,6 +664,7 @@ CaseResult RunCase(const Case& c, const std::string& address, const RequestShape
   r.p50_us = Percentile(latencies_us, 0.5);
   r.p99_us = Percentile(latencies_us, 0.99);
   r.effective_gbps = r.wall_s > 0 ? 2.0 * r.payload_bytes * r.calls / r.wall_s / 1e9 : 0;
+  r.tokens_per_s = r.wall_s > 0 ? static_cast<double>(r.c.tokens) * r.calls / r.wall_s : 0;
   return r;
 }
 
@@ -775,6 +784,7 @@ nlohmann::json ToJson(const CaseResult& r) {
           {"first_error", r.first_error}, {"wall_s", r.wall_s},
           {"p50_us", r.p50_us},        {"p99_us", r.p99_us},
           {"mean_us", r.mean_us},      {"effective_gbps", r.effective_gbps},
+          {"tokens_per_s", r.tokens_per_s},
           {"shard_p50_us", r.shard_p50_us}, {"batch_p50_us", r.batch_p50_us},
           {"batches", r.batches},      {"requests_per_batch", r.requests_per_batch},
           {"direct_runs", r.direct_runs}};
@@ -833,7 +843,8 @@ absl::StatusOr<std::unique_ptr<LocalShard>> StartLocalShard(const RequestShape& 
   InProcessShardOptions options;
   options.model_dir = dir;
   options.backend = absl::GetFlag(FLAGS_backend);
-  options.max_batch_tokens = 1 << 20;
+  options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  options.max_batch_wait = absl::Microseconds(absl::GetFlag(FLAGS_max_batch_wait_us));
   options.observer = observer;
   options.pin_shared_memory = absl::GetFlag(FLAGS_pin_shm);
   options.forward_cuda_on_device = absl::GetFlag(FLAGS_cuda_on_device);
@@ -898,6 +909,10 @@ int Main() {
   shape.top_k = absl::GetFlag(FLAGS_top_k);
   shape.experts = absl::GetFlag(FLAGS_experts);
   shape.routed = routes == "uniform";
+  if (absl::GetFlag(FLAGS_max_batch_tokens) < 1 || absl::GetFlag(FLAGS_max_batch_wait_us) < 0) {
+    std::fprintf(stderr, "rpc_bench: need --max_batch_tokens >= 1 and --max_batch_wait_us >= 0\n");
+    return 2;
+  }
   if (shape.top_k < 1 || shape.experts < shape.top_k) {
     std::fprintf(stderr, "rpc_bench: need 1 <= --top_k <= --experts\n");
     return 2;
@@ -938,9 +953,9 @@ int Main() {
   const double tcp_rtt_us = TcpRoundTripUs(64, 4000);
   std::printf("raw TCP loopback (64 MiB buffers): %.2f GB/s; 64-byte round trip %.1f us\n",
               tcp_gbps, tcp_rtt_us);
-  std::printf("%-7s %8s %10s %7s %6s %7s %6s %10s %10s %10s %10s %6s %8s %7s\n", "mode",
+  std::printf("%-7s %8s %10s %7s %6s %7s %6s %10s %10s %10s %10s %6s %8s %9s %7s\n", "mode",
               "tokens", "payload", "clients", "think", "calls", "errors", "p50_us", "p99_us",
-              "shard_p50", "batch_p50", "req/b", "GB/s", "direct");
+              "shard_p50", "batch_p50", "req/b", "GB/s", "tok/s", "direct");
   nlohmann::json cases = nlohmann::json::array();
   const int64_t cap = absl::GetFlag(FLAGS_max_inflight_mib) << 20;
   for (int64_t t : ParseList(absl::GetFlag(FLAGS_tokens))) {
@@ -953,12 +968,12 @@ int Main() {
               RunCase({std::string(mode), t, static_cast<int>(n), think}, address, shape,
                       absl::GetFlag(FLAGS_seconds), observer, backend);
           std::printf("%-7s %8lld %10lld %7d %6lld %7lld %6lld %10.1f %10.1f %10.1f %10.1f %6.2f "
-                      "%8.3f %7lld %s\n",
+                      "%8.3f %9.0f %7lld %s\n",
                       r.c.mode.c_str(), static_cast<long long>(t),
                       static_cast<long long>(r.payload_bytes), r.c.clients,
                       static_cast<long long>(think), static_cast<long long>(r.calls),
                       static_cast<long long>(r.errors), r.p50_us, r.p99_us, r.shard_p50_us,
-                      r.batch_p50_us, r.requests_per_batch, r.effective_gbps,
+                      r.batch_p50_us, r.requests_per_batch, r.effective_gbps, r.tokens_per_s,
                       static_cast<long long>(r.direct_runs), r.first_error.c_str());
           std::fflush(stdout);
           cases.push_back(ToJson(r));
@@ -986,6 +1001,8 @@ int Main() {
       {"shard_tcp_spin_us", absl::GetFlag(FLAGS_shard_tcp_spin_us)},
       {"tcp_tls", !absl::GetFlag(FLAGS_tcp_tls_dir).empty()},
       {"raw_pool_mib", absl::GetFlag(FLAGS_raw_pool_mib)},
+      {"max_batch_tokens", absl::GetFlag(FLAGS_max_batch_tokens)},
+      {"max_batch_wait_us", absl::GetFlag(FLAGS_max_batch_wait_us)},
       {"allocator_tuned", tuned},
       {"channel_spin_us", absl::GetFlag(FLAGS_channel_spin_us) >= 0
                               ? absl::GetFlag(FLAGS_channel_spin_us)

@@ -5,7 +5,8 @@
 # an NVFP4 model with a shared expert; 16 tokens per step, 2 (one-token shard batches, which run
 # as CUDA graphs) and 512 (the wgmma path), over ForwardRaw; then 16 tokens again over direct TCP
 # channels (the shards run with --tcp_channel), and over moectl's default transport (auto: the
-# same channels, the calls being plaintext). Also: a shard asked for a device past those
+# same channels, the calls being plaintext); for NVFP4 also a live EPLB rebalance during a long
+# workload (no failed call, outputs checked, the slowest call printed). Also: a shard asked for a device past those
 # present (--cuda_device) must refuse to start, naming their count.
 #
 #   deploy/gpu_e2e.sh [BUNDLE_TAR]   # default: .bundle-rel/moe-serve-*.tar.gz
@@ -58,6 +59,49 @@ for fmt in mxfp4 nvfp4; do
     echo "workload $fmt, $tokens tokens x $n steps over $transport: rc=$rc"
     ((rc == 0)) || failed=1
   done
+  # A live EPLB rebalance while a workload runs (NVFP4: its CPU check is fast enough for
+  # thousands of steps): the shards upload the changed layers to the GPU while serving the old
+  # map version, the coordinator commits, clients follow. No call may fail, every output is
+  # checked, and the slowest call is printed beside the median (the switch's stall).
+  if [[ $fmt == nvfp4 ]]; then
+    # About 10 s of steps at the rate the auto run above measured.
+    rate=$(sed -nE 's/^throughput ([0-9.]+) forwards.*/\1/p' "$OUT/workload-$fmt-16-auto.log")
+    steps=$(awk -v r="${rate:-100}" 'BEGIN { s = int(r * 10); print s < 200 ? 200 : s }')
+    # The same workload without a switch first: its slowest calls are the baseline.
+    timeout 300 bin/moectl workload --coordinator 127.0.0.1:$port --model "$m" --steps "$steps" \
+      --tokens 16 --clients 2 > "$OUT/workload-$fmt-steady.log" 2>&1
+    echo "workload $fmt without a switch ($steps steps): rc=$?;" \
+      "$(grep -hE "^(throughput|slowest)" "$OUT/workload-$fmt-steady.log" | tr '\n' ' ')"
+    log="$OUT/workload-$fmt-rebalance.log"
+    w_start_ns=$(date +%s%N)
+    timeout 300 bin/moectl workload --coordinator 127.0.0.1:$port --model "$m" --steps "$steps" \
+      --tokens 16 --clients 2 > "$log" 2>&1 &
+    w=$!
+    sleep 3
+    start_ns=$(date +%s%N)
+    timeout 120 bin/moectl rebalance --coordinator 127.0.0.1:$port --min_gain 0 \
+      > "$OUT/rebalance-$fmt.log" 2>&1
+    rrc=$?
+    echo "rebalance under load: rc=$rrc, started $(( (start_ns - w_start_ns) / 1000000 )) ms" \
+      "after the workload (moectl's own start included), $(( ($(date +%s%N) - start_ns) / 1000000 ))" \
+      "ms to commit"
+    grep -iE "map version|balancedness|moved" "$OUT/rebalance-$fmt.log" | head -4
+    if ! kill -0 $w 2> /dev/null; then
+      echo "the workload ended before the new map committed: the switch was not under load"
+      failed=1
+    fi
+    wait $w
+    rc=$?
+    grep -E "verified|latency|slowest|match" "$log"
+    echo "workload $fmt during the rebalance ($steps steps): rc=$rc"
+    ((rc == 0 && rrc == 0)) || failed=1
+    for r in 0 1; do
+      grep -m1 -E "map version 2 active" "$OUT/shard$r-$fmt.log" || {
+        echo "shard $r did not switch to map version 2"
+        failed=1
+      }
+    done
+  fi
   # Every shard answered the tcp run over its channels.
   for r in 0 1; do
     if ! grep -q "tcp channel: connection opened" "$OUT/shard$r-$fmt.log"; then

@@ -32,6 +32,7 @@ struct LayerFixture {
 struct Totals {
   absl::Mutex mu;
   std::vector<double> latencies_us;
+  std::vector<absl::Time> starts;  // each call's start, in latencies_us's order
   double worst = 0;
   int64_t calls = 0, tokens = 0;
   std::vector<std::vector<int64_t>> expected_load;  // [L][E]
@@ -120,6 +121,7 @@ absl::Status OneStep(MoeClient& client, const model::ExpertModel& m,
   }
   absl::MutexLock lock(&totals.mu);
   totals.latencies_us.push_back(us);
+  totals.starts.push_back(start);
   totals.worst = std::max(totals.worst, err);
   totals.calls += 1;
   totals.tokens += t_count;
@@ -223,6 +225,19 @@ absl::StatusOr<WorkloadReport> RunWorkload(const WorkloadOptions& o, std::ostrea
   r.p50_us = Percentile(totals.latencies_us, 0.50);
   r.p90_us = Percentile(totals.latencies_us, 0.90);
   r.p99_us = Percentile(totals.latencies_us, 0.99);
+  r.max_us = Percentile(totals.latencies_us, 1.0);
+  // The slowest calls and when they started: a stall (a placement switch, a shard restart) shows
+  // as several slow calls at one time.
+  std::vector<size_t> order(totals.latencies_us.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  const size_t shown = std::min<size_t>(3, order.size());
+  std::partial_sort(order.begin(), order.begin() + shown, order.end(), [&](size_t a, size_t b) {
+    return totals.latencies_us[a] > totals.latencies_us[b];
+  });
+  for (size_t i = 0; i < shown; ++i) {
+    r.slowest.push_back({totals.latencies_us[order[i]],
+                         absl::ToDoubleSeconds(totals.starts[order[i]] - start)});
+  }
   absl::StatusOr<v1::LoadStats> stats = (*client)->GetLoadStats(/*refresh=*/true);
   if (!stats.ok()) return stats.status();
   r.load_counts_match = LoadMatches(*stats, totals, out);
@@ -236,8 +251,16 @@ absl::StatusOr<WorkloadReport> RunWorkload(const WorkloadOptions& o, std::ostrea
                            r.calls, r.tokens, o.clients);
   }
   out << absl::StrFormat(
-      "throughput %.1f forwards/s, %.0f tokens/s; latency p50 %.0f us, p90 %.0f us, p99 %.0f us\n",
-      r.calls / r.wall_seconds, r.tokens / r.wall_seconds, r.p50_us, r.p90_us, r.p99_us);
+      "throughput %.1f forwards/s, %.0f tokens/s; latency p50 %.0f us, p90 %.0f us, p99 %.0f us, "
+      "max %.0f us\n",
+      r.calls / r.wall_seconds, r.tokens / r.wall_seconds, r.p50_us, r.p90_us, r.p99_us, r.max_us);
+  if (!r.slowest.empty()) {
+    out << "slowest calls:";
+    for (const WorkloadReport::SlowCall& c : r.slowest) {
+      out << absl::StrFormat(" %.0f us at %.3f s", c.us, c.at_seconds);
+    }
+    out << " (after the start)\n";
+  }
   out << FormatLoadTable(*stats);
   out << "coordinator load counts "
       << (r.load_counts_match ? "match the client's routed counts exactly\n" : "DO NOT MATCH\n");

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <ostream>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -41,7 +42,12 @@ struct WorkloadReport {
   int64_t calls = 0;
   int64_t tokens = 0;
   double worst_relative_error = 0;
-  double p50_us = 0, p90_us = 0, p99_us = 0;
+  double p50_us = 0, p90_us = 0, p99_us = 0, max_us = 0;
+  struct SlowCall {
+    double us = 0;          // latency
+    double at_seconds = 0;  // when the call started, after the workload's start
+  };
+  std::vector<SlowCall> slowest;  // the three slowest calls, slowest first
   double wall_seconds = 0;
   bool load_counts_match = false;
 };

@@ -17,6 +17,7 @@ absl::StatusOr<std::unique_ptr<InProcessShard>> InProcessShard::Start(
   shard->backend_ = *std::move(backend);
   ExecutorOptions executor;
   executor.max_batch_tokens = options.max_batch_tokens;
+  executor.max_batch_wait = options.max_batch_wait;
   executor.observer = options.observer;
   shard->service_ = std::make_unique<ExpertShardService>(shard->source_.get(),
                                                          shard->backend_.get(), executor);
