@@ -120,7 +120,9 @@ class CudaExpertBackend final : public ExpertBackend {
     {
       // Memory still registered stays the caller's; only its pinning ends here.
       absl::MutexLock lock(&registered_mu_);
-      for (const auto& [base, bytes] : registered_) cudaHostUnregister(reinterpret_cast<void*>(base));
+      for (const auto& [base, range] : registered_) {
+        cudaHostUnregister(reinterpret_cast<void*>(base));
+      }
       registered_.clear();
     }
     {
@@ -199,7 +201,14 @@ class CudaExpertBackend final : public ExpertBackend {
 
  private:
   // Whether [data, data + bytes) lies inside one registered range.
-  bool InRegistered(const void* data, size_t bytes) const ABSL_LOCKS_EXCLUDED(registered_mu_);
+  bool InRegistered(const void* data, size_t bytes) const ABSL_LOCKS_EXCLUDED(registered_mu_) {
+    return FindRegistered(data, bytes, nullptr);
+  }
+  // Whether [data, data + bytes) lies inside one registered range; then *device (when not null)
+  // is where the device addresses `data`, or null where the range is not mapped. The address
+  // stays valid while run_mu_ is held (UnregisterHostMemory takes it first).
+  bool FindRegistered(const void* data, size_t bytes, uint8_t** device) const
+      ABSL_LOCKS_EXCLUDED(registered_mu_);
   absl::StatusOr<std::shared_ptr<const DeviceVersion>> Prepared(int layer_index,
                                                                 const ExpertLayer& layer)
       ABSL_LOCKS_EXCLUDED(layers_mu_);
@@ -228,11 +237,14 @@ class CudaExpertBackend final : public ExpertBackend {
   // Where a Run's hidden states come from: through the pinned buffer (or a pageable copy), by
   // one copy straight from registered host or device memory, or read in place by the kernels
   // (device memory).
-  enum class HiddenFrom { kStaged, kCopied, kInPlace };
+  // kMapped: registered host memory that a copy kernel reads through its device mapping
+  // (registered_kernel_copies).
+  enum class HiddenFrom { kStaged, kCopied, kInPlace, kMapped };
   // Copies the inputs into the device arena (through the pinned buffer when `pinned`; with
-  // kKernelsWithBatch only into the pinned buffer), the hidden states as `hidden` says.
+  // kKernelsWithBatch only into the pinned buffer), the hidden states as `hidden` says (kMapped:
+  // from `hidden_mapped`, the device's address of them).
   absl::Status CopyIn(const ExpertsRequest& request, bool with_mask, const ArenaLayout& at,
-                      bool pinned, Moves moves, HiddenFrom hidden)
+                      bool pinned, Moves moves, HiddenFrom hidden, const uint8_t* hidden_mapped)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
   // Copies the output back (through the pinned buffer when `pinned`; with kKernelsWithBatch the
   // move to it is already enqueued) and waits for it.
@@ -302,7 +314,13 @@ class CudaExpertBackend final : public ExpertBackend {
   // Host memory pinned by RegisterHostMemory: base address -> bytes. Taken after run_mu_ where
   // both are held.
   mutable absl::Mutex registered_mu_;
-  std::map<uintptr_t, size_t> registered_ ABSL_GUARDED_BY(registered_mu_);
+  // A registered range: its length and, where the device maps it, its device address (null:
+  // not mapped; the copy kernels then do not touch it).
+  struct Registered {
+    size_t bytes = 0;
+    uint8_t* device = nullptr;
+  };
+  std::map<uintptr_t, Registered> registered_ ABSL_GUARDED_BY(registered_mu_);
   size_t registered_total_ ABSL_GUARDED_BY(registered_mu_) = 0;
   // Threads of the host copies into and out of the pinned buffer (one Run at a time uses it).
   std::unique_ptr<cpu::ThreadPool> copy_pool_;
@@ -365,7 +383,7 @@ CudaExpertBackend::ArenaLayout CudaExpertBackend::Layout(const ExpertsRequest& r
 
 absl::Status CudaExpertBackend::CopyIn(const ExpertsRequest& request, bool with_mask,
                                        const ArenaLayout& at, bool pinned, Moves moves,
-                                       HiddenFrom hidden) {
+                                       HiddenFrom hidden, const uint8_t* hidden_mapped) {
   const struct {
     size_t offset;
     const TensorView& view;
@@ -399,6 +417,14 @@ absl::Status CudaExpertBackend::CopyIn(const ExpertsRequest& request, bool with_
             cudaMemcpyAsync(device + at.hidden, request.hidden_states.data,
                             static_cast<size_t>(request.hidden_states.NumBytes()),
                             cudaMemcpyDefault, stream_),
+            "input copy");
+        !s.ok()) {
+      return s;
+    }
+  } else if (hidden == HiddenFrom::kMapped) {
+    if (absl::Status s = CudaStatus(
+            cuda::LaunchCopyBytes(hidden_mapped, device + at.hidden,
+                                  static_cast<size_t>(request.hidden_states.NumBytes()), stream_),
             "input copy");
         !s.ok()) {
       return s;
@@ -716,11 +742,28 @@ absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
   const bool hidden_direct =
       direct(request.hidden_states, request.hidden_on_device, hidden_in_place);
   const bool out_direct = direct(request.out, request.out_on_device, out_in_place);
-  const HiddenFrom hidden_from = hidden_in_place ? HiddenFrom::kInPlace
-                                 : hidden_direct ? HiddenFrom::kCopied
-                                                 : HiddenFrom::kStaged;
+  // Smaller registered hidden states or output of a batch that copy kernels move: those kernels
+  // read or write them in place through the device's mapping (registered_kernel_copies), instead
+  // of a host copy into or out of the pinned buffer.
+  const auto mapped = [&](const TensorView& v, bool device, bool used_direct) -> uint8_t* {
+    if (device || used_direct || moves != Moves::kKernels || !options_.registered_kernel_copies ||
+        reinterpret_cast<uintptr_t>(v.data) % 16 != 0) {
+      return nullptr;
+    }
+    uint8_t* at_device = nullptr;
+    return FindRegistered(v.data, static_cast<size_t>(v.NumBytes()), &at_device) ? at_device
+                                                                                 : nullptr;
+  };
+  uint8_t* const hidden_mapped =
+      mapped(request.hidden_states, request.hidden_on_device, hidden_direct);
+  uint8_t* const out_mapped = mapped(request.out, request.out_on_device, out_direct);
+  const HiddenFrom hidden_from = hidden_in_place   ? HiddenFrom::kInPlace
+                                 : hidden_direct   ? HiddenFrom::kCopied
+                                 : hidden_mapped != nullptr ? HiddenFrom::kMapped
+                                                            : HiddenFrom::kStaged;
   t = AddElapsed(t, &counters_.prepare_ns);
-  if (absl::Status s = CopyIn(request, with_mask, at, pinned, moves, hidden_from); !s.ok()) {
+  if (absl::Status s = CopyIn(request, with_mask, at, pinned, moves, hidden_from, hidden_mapped);
+      !s.ok()) {
     return s;
   }
   t = AddElapsed(t, &counters_.copy_in_ns);
@@ -759,13 +802,31 @@ absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
     const absl::Status synced = CudaStatus(cudaStreamSynchronize(stream_), "expert kernels");
     AddElapsed(t, &counters_.wait_ns);
     if (!synced.ok()) return synced;
+  } else if (out_mapped != nullptr) {
+    // A copy kernel writes it through the device's mapping: only the wait after it.
+    t = RunClock::now();
+    if (absl::Status s = CudaStatus(
+            cuda::LaunchCopyBytes(device + at.out, out_mapped,
+                                  static_cast<size_t>(request.out.NumBytes()), stream_),
+            "output copy");
+        !s.ok()) {
+      return s;
+    }
+    t = AddElapsed(t, &counters_.copy_out_submit_ns);
+    const absl::Status synced = CudaStatus(cudaStreamSynchronize(stream_), "expert kernels");
+    AddElapsed(t, &counters_.wait_ns);
+    if (!synced.ok()) return synced;
   } else if (absl::Status s = CopyOut(request, at, pinned && !out_direct, moves); !s.ok()) {
     // A registered or device output: one copy into it (CopyOut's unstaged form).
     return s;
   }
   if (pinned) ++counters_.pinned_runs;
   if (moves != Moves::kCopyEngine) ++counters_.kernel_copy_runs;
-  if (hidden_direct || out_direct || hidden_in_place || out_in_place) ++counters_.direct_runs;
+  const bool any_mapped = hidden_mapped != nullptr || out_mapped != nullptr;
+  if (hidden_direct || out_direct || hidden_in_place || out_in_place || any_mapped) {
+    ++counters_.direct_runs;
+  }
+  if (any_mapped) ++counters_.mapped_runs;
   if (on_device) ++counters_.device_tensor_runs;
   if (hidden_in_place || out_in_place) ++counters_.in_place_runs;
   return absl::OkStatus();
@@ -788,14 +849,23 @@ absl::Status CudaExpertBackend::RegisterHostMemory(void* data, size_t bytes) {
     return s;
   }
   // Pinning a large range takes a while: outside the locks, so Runs go on meanwhile.
-  if (absl::Status s =
-          CudaStatus(cudaHostRegister(data, bytes, cudaHostRegisterPortable), "cudaHostRegister");
+  // Mapped too where the device can map host memory, so that copy kernels can read and write it
+  // (registered_kernel_copies).
+  const unsigned flags = cudaHostRegisterPortable | (can_map_host_ ? cudaHostRegisterMapped : 0u);
+  if (absl::Status s = CudaStatus(cudaHostRegister(data, bytes, flags), "cudaHostRegister");
       !s.ok()) {
     cudaGetLastError();  // clears a non-sticky error (e.g. already registered)
     return s;
   }
+  Registered range{bytes, nullptr};
+  void* mapped = nullptr;
+  if (can_map_host_ && cudaHostGetDevicePointer(&mapped, data, 0) == cudaSuccess) {
+    range.device = static_cast<uint8_t*>(mapped);
+  } else {
+    cudaGetLastError();  // clears a non-sticky error: the range is only pinned
+  }
   absl::MutexLock lock(&registered_mu_);
-  registered_[reinterpret_cast<uintptr_t>(data)] = bytes;
+  registered_[reinterpret_cast<uintptr_t>(data)] = range;
   registered_total_ += bytes;
   return absl::OkStatus();
 }
@@ -808,20 +878,25 @@ void CudaExpertBackend::UnregisterHostMemory(void* data) {
     absl::MutexLock lock(&registered_mu_);
     auto it = registered_.find(reinterpret_cast<uintptr_t>(data));
     if (it == registered_.end()) return;
-    registered_total_ -= it->second;
+    registered_total_ -= it->second.bytes;
     registered_.erase(it);
   }
   cudaSetDevice(options_.device);
   if (cudaHostUnregister(data) != cudaSuccess) cudaGetLastError();
 }
 
-bool CudaExpertBackend::InRegistered(const void* data, size_t bytes) const {
+bool CudaExpertBackend::FindRegistered(const void* data, size_t bytes, uint8_t** device) const {
   const auto at = reinterpret_cast<uintptr_t>(data);
   absl::MutexLock lock(&registered_mu_);
   auto it = registered_.upper_bound(at);  // the first range starting after `data`
   if (it == registered_.begin()) return false;
   --it;
-  return at - it->first <= it->second && bytes <= it->second - (at - it->first);
+  const size_t offset = at - it->first;
+  if (offset > it->second.bytes || bytes > it->second.bytes - offset) return false;
+  if (device != nullptr) {
+    *device = it->second.device != nullptr ? it->second.device + offset : nullptr;
+  }
+  return true;
 }
 
 }  // namespace

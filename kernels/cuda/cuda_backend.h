@@ -103,6 +103,11 @@ struct CudaBackendOptions {
   // staged (a second transfer costs more than their copy), as do graphed batches (their graphs
   // read the pinned buffer).
   int64_t registered_direct_min_bytes = int64_t{256} << 10;
+  // Eager batches moved by copy kernels (kernel_copy_max_bytes) whose hidden states (or output)
+  // under registered_direct_min_bytes lie in registered host memory at 16-byte aligned addresses:
+  // the copy kernels read (write) that memory themselves, mapped into the device's address space,
+  // so the host copy into (out of) the pinned buffer is skipped. false: those stay staged.
+  bool registered_kernel_copies = true;
   // Tests only: every graph capture fails, as a failed instantiation would (the batch then runs
   // eagerly, and so does its shape from then on).
   bool test_fail_graph_capture = false;
@@ -130,6 +135,9 @@ struct CudaBackendCounters {
   // (CudaBackendOptions::registered_direct_min_bytes), and the bytes registered now.
   int64_t direct_runs = 0;
   int64_t registered_bytes = 0;
+  // Of the direct Runs, those whose registered hidden states or output the copy kernels read or
+  // wrote in place (CudaBackendOptions::registered_kernel_copies).
+  int64_t mapped_runs = 0;
   // Runs whose hidden states or output were device memory (ExpertsRequest::hidden_on_device,
   // out_on_device; counted in direct_runs too), and of those, Runs whose kernels read or wrote
   // one of them in place (256-byte aligned: no copy).

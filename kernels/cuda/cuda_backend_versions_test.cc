@@ -358,6 +358,78 @@ TEST(CudaBackendVersionsTest, RegisteredHostMemoryIsUsedInPlace) {
   EXPECT_EQ(GetCudaBackendCounters(**capped).registered_bytes, 0);
 }
 
+// Registered hidden states and output under registered_direct_min_bytes, in eager batches that
+// copy kernels move: the kernels read and write them through the device's mapping (what a shard's
+// merged batches and pooled TCP and ForwardRaw buffers are). Each Run bit-equal to the same batch
+// from ordinary memory (and that within 1e-2 of the CPU reference) and counted as mapped; a
+// tensor at an address that is not 16-byte aligned, and every tensor with registered_kernel_copies
+// off, stays staged and equally correct.
+TEST(CudaBackendVersionsTest, SmallRegisteredTensorsMoveByCopyKernels) {
+  const std::unique_ptr<OwnedLayer> layer = Layer(321);
+  constexpr size_t kRegion = size_t{4} << 20;
+  void* raw = nullptr;
+  ASSERT_EQ(posix_memalign(&raw, 4096, kRegion), 0);
+  std::unique_ptr<void, decltype(&std::free)> region(raw, &std::free);
+  auto* base = static_cast<uint8_t*>(raw);
+  const int64_t kOut = int64_t{1} << 20;
+  for (const bool kernel_copies : {true, false}) {
+    CudaBackendOptions options;
+    options.registered_kernel_copies = kernel_copies;
+    absl::StatusOr<std::unique_ptr<ExpertBackend>> made = MakeCudaExpertBackend(options);
+    if (!made.ok()) GTEST_SKIP() << made.status();
+    ExpertBackend& b = **made;
+    ASSERT_TRUE(b.PrepareLayer(0, layer->layer).ok());
+    ASSERT_TRUE(b.RegisterHostMemory(base, kRegion).ok());
+    cpu::RandomRequestSpec spec;
+    spec.tokens = 40;  // [40, 256]: 40 KB F32, 20 KB BF16; eager (over graph_max_tokens)
+    spec.top_k = 4;
+    spec.seed = kernel_copies ? 100 : 200;
+    for (const auto& [dtype_in, dtype_out] :
+         {std::pair{DType::kF32, DType::kF32}, std::pair{DType::kBF16, DType::kBF16},
+          std::pair{DType::kBF16, DType::kF32}}) {
+      spec.in_dtype = dtype_in;
+      spec.out_dtype = dtype_out;
+      // (hidden offset, output offset) in the region; -1: the request's own memory.
+      for (const auto& [in_at, out_at] :
+           {std::pair<int64_t, int64_t>{0, kOut}, {16, -1}, {-1, kOut + 48}, {8, kOut + 8}}) {
+        ++spec.seed;
+        OwnedRequest plain = MakeRandomRequest(layer->layer, spec);
+        OwnedRequest placed = plain;
+        OwnedRequest want = plain;
+        plain.Poison();
+        placed.Poison();
+        want.Poison();
+        ASSERT_TRUE(b.Run(0, layer->layer, plain.Request()).ok());
+        ASSERT_TRUE(RunExpertsReference(layer->layer, want.Request()).ok());
+        EXPECT_LE(RelErr(plain, want, spec.tokens * layer->layer.hidden), 1e-2);
+        ExpertsRequest r = placed.Request();
+        if (in_at >= 0) {
+          std::memcpy(base + in_at, r.hidden_states.data,
+                      static_cast<size_t>(r.hidden_states.NumBytes()));
+          r.hidden_states.data = base + in_at;
+        }
+        if (out_at >= 0) {
+          std::memset(base + out_at, 0xFF, static_cast<size_t>(r.out.NumBytes()));  // NaN
+          r.out.data = base + out_at;
+        }
+        const int64_t mapped_before = GetCudaBackendCounters(b).mapped_runs;
+        const absl::Status s = b.Run(0, layer->layer, r);
+        ASSERT_TRUE(s.ok()) << s;
+        const void* got = out_at >= 0 ? static_cast<const void*>(base + out_at) : r.out.data;
+        EXPECT_EQ(std::memcmp(got, plain.Request().out.data, static_cast<size_t>(r.out.NumBytes())),
+                  0)
+            << "in_at " << in_at << " out_at " << out_at << " kernel copies " << kernel_copies;
+        const bool aligned_in = in_at >= 0 && in_at % 16 == 0;
+        const bool aligned_out = out_at >= 0 && out_at % 16 == 0;
+        EXPECT_EQ(GetCudaBackendCounters(b).mapped_runs - mapped_before,
+                  kernel_copies && (aligned_in || aligned_out) ? 1 : 0)
+            << "in_at " << in_at << " out_at " << out_at;
+      }
+    }
+    b.UnregisterHostMemory(base);
+  }
+}
+
 // Hidden states and output in device memory (what a shard passes for a same-host frontend's
 // ForwardCuda): read and written in place by the kernels at 256-byte aligned addresses, moved by
 // device copies at others; eager, captured and replayed; each form bit-equal to the same batch
