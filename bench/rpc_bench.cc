@@ -194,6 +194,10 @@ struct CaseResult {
   // CUDA backend: Runs that moved hidden states or output straight from or to a registered
   // shared-memory region (CudaBackendCounters::direct_runs), warm-up included.
   int64_t direct_runs = 0;
+  // CUDA backend: mean host time per backend Run of the timed window in each step of
+  // CudaBackendCounters (prepare, copy_in, enqueue, copy_out_submit, wait, copy_out_host; empty
+  // for another backend).
+  nlohmann::json run_steps_us = nlohmann::json::object();
 };
 
 // The shard's own timings: every Forward's latency inside the shard and every executor batch's
@@ -487,10 +491,30 @@ int64_t DirectRuns(const ExpertBackend* backend) {
   return backend != nullptr ? GetCudaBackendCounters(*backend).direct_runs : 0;
 }
 
+CudaBackendCounters Counters(const ExpertBackend* backend) {
+  return backend != nullptr ? GetCudaBackendCounters(*backend) : CudaBackendCounters{};
+}
+
 // The shard's side of a case (BenchObserver since its Reset, the backend's direct Runs since
-// `direct_before`) into `r`.
+// `direct_before`, its step times since `window`, taken at that Reset) into `r`.
 void TakeShardSide(BenchObserver& observer, const ExpertBackend* backend, int64_t direct_before,
-                   CaseResult& r) {
+                   const CudaBackendCounters& window, CaseResult& r) {
+  const CudaBackendCounters now = Counters(backend);
+  const int64_t runs = (now.eager_runs - window.eager_runs) +
+                       (now.graph_captures - window.graph_captures) +
+                       (now.graph_replays - window.graph_replays);
+  if (runs > 0) {
+    const auto mean_us = [runs](int64_t after, int64_t before) {
+      return static_cast<double>(after - before) / static_cast<double>(runs) / 1e3;
+    };
+    r.run_steps_us = {{"runs", runs},
+                      {"prepare", mean_us(now.prepare_ns, window.prepare_ns)},
+                      {"copy_in", mean_us(now.copy_in_ns, window.copy_in_ns)},
+                      {"enqueue", mean_us(now.enqueue_ns, window.enqueue_ns)},
+                      {"copy_out_submit", mean_us(now.copy_out_submit_ns, window.copy_out_submit_ns)},
+                      {"wait", mean_us(now.wait_ns, window.wait_ns)},
+                      {"copy_out_host", mean_us(now.copy_out_host_ns, window.copy_out_host_ns)}};
+  }
   BenchObserver::Taken taken = observer.Take();
   r.shard_p50_us = Percentile(taken.forward_us, 0.5);
   r.batch_p50_us = Percentile(taken.batch_us, 0.5);
@@ -572,6 +596,7 @@ CaseResult RunCudaCase(const Case& c, const std::string& address, const RequestS
       " --seconds=", seconds, " --hidden=", shape.hidden, " --top_k=", shape.top_k,
       " --experts=", shape.experts, " --routes=", shape.routed ? "uniform" : "none");
   observer.Reset();  // the client's 16 warm-up calls are counted too
+  const CudaBackendCounters window = Counters(backend);
   const absl::Time start = absl::Now();
   FILE* child = popen(command.c_str(), "r");
   if (child == nullptr) {
@@ -598,7 +623,7 @@ CaseResult RunCudaCase(const Case& c, const std::string& address, const RequestS
   r.mean_us = mean;
   r.effective_gbps = seconds > 0 ? 2.0 * r.payload_bytes * calls / seconds / 1e9 : 0;
   r.tokens_per_s = seconds > 0 ? static_cast<double>(r.c.tokens) * calls / seconds : 0;
-  TakeShardSide(observer, backend, direct_before, r);
+  TakeShardSide(observer, backend, direct_before, window, r);
   return r;
 }
 
@@ -651,11 +676,12 @@ CaseResult RunCase(const Case& c, const std::string& address, const RequestShape
   }
   while (warm.load() < c.clients) absl::SleepFor(absl::Milliseconds(1));
   observer.Reset();
+  const CudaBackendCounters window = Counters(backend);
   start = absl::Now();
   end = start;
   go.Notify();
   for (std::thread& t : threads) t.join();
-  TakeShardSide(observer, backend, direct_before, r);
+  TakeShardSide(observer, backend, direct_before, window, r);
   r.calls = static_cast<int64_t>(latencies_us.size());
   r.wall_s = absl::ToDoubleSeconds(end - start);
   double sum = 0;
@@ -787,7 +813,7 @@ nlohmann::json ToJson(const CaseResult& r) {
           {"tokens_per_s", r.tokens_per_s},
           {"shard_p50_us", r.shard_p50_us}, {"batch_p50_us", r.batch_p50_us},
           {"batches", r.batches},      {"requests_per_batch", r.requests_per_batch},
-          {"direct_runs", r.direct_runs}};
+          {"direct_runs", r.direct_runs}, {"run_steps_mean_us", r.run_steps_us}};
 }
 
 // The model the requests are shaped after, and where it came from.
@@ -975,6 +1001,17 @@ int Main() {
                       static_cast<long long>(r.errors), r.p50_us, r.p99_us, r.shard_p50_us,
                       r.batch_p50_us, r.requests_per_batch, r.effective_gbps, r.tokens_per_s,
                       static_cast<long long>(r.direct_runs), r.first_error.c_str());
+          if (!r.run_steps_us.empty()) {
+            std::printf("        backend Run steps, mean us over %lld Runs: prepare %.1f, copy in "
+                        "%.1f, enqueue %.1f, copy out submit %.1f, wait %.1f, copy out host %.1f\n",
+                        static_cast<long long>(r.run_steps_us["runs"].get<int64_t>()),
+                        r.run_steps_us["prepare"].get<double>(),
+                        r.run_steps_us["copy_in"].get<double>(),
+                        r.run_steps_us["enqueue"].get<double>(),
+                        r.run_steps_us["copy_out_submit"].get<double>(),
+                        r.run_steps_us["wait"].get<double>(),
+                        r.run_steps_us["copy_out_host"].get<double>());
+          }
           std::fflush(stdout);
           cases.push_back(ToJson(r));
         }

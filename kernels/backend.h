@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "kernels/experts.h"
 
 namespace moe {
@@ -38,6 +39,25 @@ class ExpertBackend {
   // Runs one staged batch. REQUIRES: PrepareLayer(layer_index, layer) succeeded.
   [[nodiscard]] virtual absl::Status Run(int layer_index, const ExpertLayer& layer,
                                          const ExpertsRequest& request) = 0;
+
+  // Runs a batch whose hidden states and output lie in several host buffers, split by rows (a
+  // shard's merged batch: one part per request, in order). `request` holds the batch's ids,
+  // weights and mask whole, and hidden_states / out with the batch's dtypes and [tokens, H]
+  // shapes at the first part's addresses (never read or written through); hidden_parts[i] and
+  // out_parts[i] are [rows_i, H] of those dtypes, their rows adding up to the batch's tokens.
+  // UNIMPLEMENTED, with nothing run or read, where the backend cannot take the parts as they are:
+  // the caller then concatenates them and calls Run. The default (REQUIRES as Run).
+  [[nodiscard]] virtual absl::Status RunParts(int layer_index, const ExpertLayer& layer,
+                                              const ExpertsRequest& request,
+                                              absl::Span<const TensorView> hidden_parts,
+                                              absl::Span<const TensorView> out_parts) {
+    (void)layer_index;
+    (void)layer;
+    (void)request;
+    (void)hidden_parts;
+    (void)out_parts;
+    return absl::UnimplementedError("this backend runs merged batches from one buffer");
+  }
 
   // The CUDA device whose memory Run takes as hidden states and output (ExpertsRequest::
   // hidden_on_device, out_on_device), or -1: host memory only (the default).

@@ -193,13 +193,44 @@ class CudaExpertBackend final : public ExpertBackend {
   }
 
   absl::Status Run(int layer_index, const ExpertLayer& layer,
-                   const ExpertsRequest& request) override;
+                   const ExpertsRequest& request) override {
+    return RunImpl(layer_index, layer, request, nullptr);
+  }
+  // Takes the parts where the batch is moved by copy kernels and every part is registered,
+  // mapped host memory at 16-byte aligned addresses and sizes (registered_kernel_copies): one
+  // copy kernel gathers the hidden rows into the device arena, one scatters the output rows.
+  absl::Status RunParts(int layer_index, const ExpertLayer& layer, const ExpertsRequest& request,
+                        absl::Span<const TensorView> hidden_parts,
+                        absl::Span<const TensorView> out_parts) override {
+    // Cheap refusals first, before any planning: the caller then merges the parts.
+    std::vector<cuda::CopyPart> probe;
+    if (!options_.registered_kernel_copies ||
+        !MappedParts(hidden_parts, nullptr, /*gather=*/true, &probe) ||
+        !MappedParts(out_parts, nullptr, /*gather=*/false, &probe)) {
+      return absl::UnimplementedError(
+          "cuda backend: these row parts are not all registered, mapped and aligned");
+    }
+    const RowParts parts{hidden_parts, out_parts};
+    return RunImpl(layer_index, layer, request, &parts);
+  }
 
   int DeviceForTensors() const override { return options_.device; }
   absl::Status RegisterHostMemory(void* data, size_t bytes) override;
   void UnregisterHostMemory(void* data) override;
 
  private:
+  struct RowParts {
+    absl::Span<const TensorView> hidden, out;
+  };
+  // Run, or RunParts with `parts` (else null).
+  absl::Status RunImpl(int layer_index, const ExpertLayer& layer, const ExpertsRequest& request,
+                       const RowParts* parts);
+  // The copies of `views`, in order, between their mapped host addresses and the device arena
+  // region at `device` (to the arena when `gather`, from it otherwise; null `device`: only the
+  // checks, nothing filled). False where one is not registered and mapped whole, or not 16-byte
+  // aligned in address and size, or there are more than cuda::kMaxCopyParts.
+  bool MappedParts(absl::Span<const TensorView> views, uint8_t* device, bool gather,
+                   std::vector<cuda::CopyPart>* copies) const;
   // Whether [data, data + bytes) lies inside one registered range.
   bool InRegistered(const void* data, size_t bytes) const ABSL_LOCKS_EXCLUDED(registered_mu_) {
     return FindRegistered(data, bytes, nullptr);
@@ -239,7 +270,8 @@ class CudaExpertBackend final : public ExpertBackend {
   // (device memory).
   // kMapped: registered host memory that a copy kernel reads through its device mapping
   // (registered_kernel_copies).
-  enum class HiddenFrom { kStaged, kCopied, kInPlace, kMapped };
+  // kGathered: RunParts' rows, gathered by one copy kernel after CopyIn.
+  enum class HiddenFrom { kStaged, kCopied, kInPlace, kMapped, kGathered };
   // Copies the inputs into the device arena (through the pinned buffer when `pinned`; with
   // kKernelsWithBatch only into the pinned buffer), the hidden states as `hidden` says (kMapped:
   // from `hidden_mapped`, the device's address of them).
@@ -653,10 +685,51 @@ absl::Status CudaExpertBackend::EnqueueKernels(const cuda::DeviceExpertLayer& la
   return CudaStatus(cudaGraphLaunch(exec, stream_), "graph launch");
 }
 
-absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
-                                    const ExpertsRequest& request) {
+bool CudaExpertBackend::MappedParts(absl::Span<const TensorView> views, uint8_t* device,
+                                    bool gather, std::vector<cuda::CopyPart>* copies) const {
+  if (views.size() > static_cast<size_t>(cuda::kMaxCopyParts)) return false;
+  copies->clear();
+  size_t offset = 0;
+  for (const TensorView& v : views) {
+    const size_t bytes = static_cast<size_t>(v.NumBytes());
+    uint8_t* mapped = nullptr;
+    if (reinterpret_cast<uintptr_t>(v.data) % 16 != 0 || bytes % 16 != 0 ||
+        !FindRegistered(v.data, bytes, &mapped) || mapped == nullptr) {
+      return false;
+    }
+    if (device != nullptr) {  // else only the checks
+      copies->push_back(gather ? cuda::CopyPart{mapped, device + offset, bytes}
+                               : cuda::CopyPart{device + offset, mapped, bytes});
+    }
+    offset += bytes;
+  }
+  return true;
+}
+
+absl::Status CudaExpertBackend::RunImpl(int layer_index, const ExpertLayer& layer,
+                                        const ExpertsRequest& request, const RowParts* parts) {
   RunClock::time_point t = RunClock::now();
   if (absl::Status s = ValidateExpertsRequest(layer, request); !s.ok()) return s;
+  if (parts != nullptr) {
+    if (request.hidden_on_device || request.out_on_device) {
+      return absl::UnimplementedError("cuda backend: row parts of device tensors");
+    }
+    for (const auto& [views, whole] : {std::pair{parts->hidden, &request.hidden_states},
+                                       std::pair{parts->out, &request.out}}) {
+      int64_t rows = 0;
+      for (const TensorView& v : views) {
+        if (v.dtype != whole->dtype || v.shape.size() != 2 || v.dim(1) != whole->dim(1) ||
+            v.data == nullptr) {
+          return absl::InvalidArgumentError("cuda backend: a row part differs from its batch");
+        }
+        rows += v.dim(0);
+      }
+      if (rows != whole->dim(0)) {
+        return absl::InvalidArgumentError(absl::StrCat("cuda backend: row parts hold ", rows,
+                                                       " rows for a batch of ", whole->dim(0)));
+      }
+    }
+  }
   absl::StatusOr<std::shared_ptr<const DeviceVersion>> version = Prepared(layer_index, layer);
   if (!version.ok()) return version.status();
   const cuda::DeviceExpertLayer& d = *(*version)->device;
@@ -739,14 +812,28 @@ absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
            bytes >= options_.registered_direct_min_bytes &&
            InRegistered(v.data, static_cast<size_t>(bytes));
   };
-  const bool hidden_direct =
-      direct(request.hidden_states, request.hidden_on_device, hidden_in_place);
-  const bool out_direct = direct(request.out, request.out_on_device, out_in_place);
+  // Row parts: gathered and scattered by copy kernels through the device's mapping, or not taken
+  // (UNIMPLEMENTED: the caller merges them). The request's own hidden and out addresses are only
+  // the first part's.
+  std::vector<cuda::CopyPart> gather, scatter;
+  if (parts != nullptr &&
+      (moves != Moves::kKernels || !options_.registered_kernel_copies ||
+       !MappedParts(parts->hidden, arena_.as<uint8_t>() + at.hidden, /*gather=*/true, &gather) ||
+       !MappedParts(parts->out, arena_.as<uint8_t>() + at.out, /*gather=*/false, &scatter))) {
+    return absl::UnimplementedError(
+        "cuda backend: these row parts are not all registered, mapped and aligned, or the batch "
+        "is not moved by copy kernels");
+  }
+  const bool hidden_direct = parts == nullptr && direct(request.hidden_states,
+                                                        request.hidden_on_device, hidden_in_place);
+  const bool out_direct =
+      parts == nullptr && direct(request.out, request.out_on_device, out_in_place);
   // Smaller registered hidden states or output of a batch that copy kernels move: those kernels
   // read or write them in place through the device's mapping (registered_kernel_copies), instead
   // of a host copy into or out of the pinned buffer.
   const auto mapped = [&](const TensorView& v, bool device, bool used_direct) -> uint8_t* {
-    if (device || used_direct || moves != Moves::kKernels || !options_.registered_kernel_copies ||
+    if (parts != nullptr || device || used_direct || moves != Moves::kKernels ||
+        !options_.registered_kernel_copies ||
         reinterpret_cast<uintptr_t>(v.data) % 16 != 0) {
       return nullptr;
     }
@@ -757,14 +844,23 @@ absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
   uint8_t* const hidden_mapped =
       mapped(request.hidden_states, request.hidden_on_device, hidden_direct);
   uint8_t* const out_mapped = mapped(request.out, request.out_on_device, out_direct);
-  const HiddenFrom hidden_from = hidden_in_place   ? HiddenFrom::kInPlace
-                                 : hidden_direct   ? HiddenFrom::kCopied
-                                 : hidden_mapped != nullptr ? HiddenFrom::kMapped
-                                                            : HiddenFrom::kStaged;
+  const HiddenFrom hidden_from = parts != nullptr            ? HiddenFrom::kGathered
+                                 : hidden_in_place           ? HiddenFrom::kInPlace
+                                 : hidden_direct             ? HiddenFrom::kCopied
+                                 : hidden_mapped != nullptr  ? HiddenFrom::kMapped
+                                                             : HiddenFrom::kStaged;
   t = AddElapsed(t, &counters_.prepare_ns);
   if (absl::Status s = CopyIn(request, with_mask, at, pinned, moves, hidden_from, hidden_mapped);
       !s.ok()) {
     return s;
+  }
+  if (hidden_from == HiddenFrom::kGathered) {
+    if (absl::Status s = CudaStatus(
+            cuda::LaunchCopyParts(gather.data(), static_cast<int>(gather.size()), stream_),
+            "input copy");
+        !s.ok()) {
+      return s;
+    }
   }
   t = AddElapsed(t, &counters_.copy_in_ns);
   uint8_t* device = arena_.as<uint8_t>();
@@ -802,16 +898,16 @@ absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
     const absl::Status synced = CudaStatus(cudaStreamSynchronize(stream_), "expert kernels");
     AddElapsed(t, &counters_.wait_ns);
     if (!synced.ok()) return synced;
-  } else if (out_mapped != nullptr) {
-    // A copy kernel writes it through the device's mapping: only the wait after it.
+  } else if (out_mapped != nullptr || parts != nullptr) {
+    // A copy kernel writes it (each part of it) through the device's mapping: only the wait
+    // after it.
     t = RunClock::now();
-    if (absl::Status s = CudaStatus(
-            cuda::LaunchCopyBytes(device + at.out, out_mapped,
-                                  static_cast<size_t>(request.out.NumBytes()), stream_),
-            "output copy");
-        !s.ok()) {
-      return s;
-    }
+    const cudaError_t moved =
+        parts != nullptr
+            ? cuda::LaunchCopyParts(scatter.data(), static_cast<int>(scatter.size()), stream_)
+            : cuda::LaunchCopyBytes(device + at.out, out_mapped,
+                                    static_cast<size_t>(request.out.NumBytes()), stream_);
+    if (absl::Status s = CudaStatus(moved, "output copy"); !s.ok()) return s;
     t = AddElapsed(t, &counters_.copy_out_submit_ns);
     const absl::Status synced = CudaStatus(cudaStreamSynchronize(stream_), "expert kernels");
     AddElapsed(t, &counters_.wait_ns);
@@ -822,7 +918,8 @@ absl::Status CudaExpertBackend::Run(int layer_index, const ExpertLayer& layer,
   }
   if (pinned) ++counters_.pinned_runs;
   if (moves != Moves::kCopyEngine) ++counters_.kernel_copy_runs;
-  const bool any_mapped = hidden_mapped != nullptr || out_mapped != nullptr;
+  const bool any_mapped = hidden_mapped != nullptr || out_mapped != nullptr || parts != nullptr;
+  if (parts != nullptr) ++counters_.parts_runs;
   if (hidden_direct || out_direct || hidden_in_place || out_in_place || any_mapped) {
     ++counters_.direct_runs;
   }

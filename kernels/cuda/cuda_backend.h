@@ -138,6 +138,8 @@ struct CudaBackendCounters {
   // Of the direct Runs, those whose registered hidden states or output the copy kernels read or
   // wrote in place (CudaBackendOptions::registered_kernel_copies).
   int64_t mapped_runs = 0;
+  // Of those, RunParts batches whose rows the copy kernels gathered and scattered in place.
+  int64_t parts_runs = 0;
   // Runs whose hidden states or output were device memory (ExpertsRequest::hidden_on_device,
   // out_on_device; counted in direct_runs too), and of those, Runs whose kernels read or wrote
   // one of them in place (256-byte aligned: no copy).

@@ -430,6 +430,115 @@ TEST(CudaBackendVersionsTest, SmallRegisteredTensorsMoveByCopyKernels) {
   }
 }
 
+// RunParts (a shard's merged batch as its requests' own rows): parts in registered memory are
+// gathered and scattered by copy kernels, bit-equal to Run on the concatenated batch and counted
+// as parts runs; a part outside registered memory, a misaligned one and a graphed batch size are
+// refused as UNIMPLEMENTED with their outputs untouched (the caller merges); parts whose rows do
+// not add up are INVALID_ARGUMENT.
+TEST(CudaBackendVersionsTest, RunPartsGathersAndScattersRegisteredRows) {
+  const std::unique_ptr<OwnedLayer> layer = Layer(555);
+  absl::StatusOr<std::unique_ptr<ExpertBackend>> made = MakeCudaExpertBackend({});
+  if (!made.ok()) GTEST_SKIP() << made.status();
+  ExpertBackend& b = **made;
+  ASSERT_TRUE(b.PrepareLayer(0, layer->layer).ok());
+  constexpr size_t kRegion = size_t{4} << 20;
+  void* raw = nullptr;
+  ASSERT_EQ(posix_memalign(&raw, 4096, kRegion), 0);
+  std::unique_ptr<void, decltype(&std::free)> region(raw, &std::free);
+  auto* base = static_cast<uint8_t*>(raw);
+  ASSERT_TRUE(b.RegisterHostMemory(base, kRegion).ok());
+  const int64_t h = layer->layer.hidden;
+  // Splits `whole`'s hidden rows into parts of `rows` at region offsets (in, out) 64 KB apart,
+  // runs RunParts, and returns its status; `got` receives the output rows in order.
+  const auto run_parts = [&](const OwnedRequest& whole, const std::vector<int64_t>& rows,
+                             size_t in_shift, std::vector<uint8_t>* got) {
+    ExpertsRequest r = const_cast<OwnedRequest&>(whole).Request();
+    const size_t in_row = static_cast<size_t>(h) * DTypeSize(r.hidden_states.dtype);
+    const size_t out_row = static_cast<size_t>(h) * DTypeSize(r.out.dtype);
+    std::vector<TensorView> in_parts, out_parts;
+    int64_t row = 0;
+    for (size_t p = 0; p < rows.size(); ++p) {
+      uint8_t* in_at = base + (p * 2) * 65536 + in_shift;
+      uint8_t* out_at = base + (p * 2 + 1) * 65536;
+      std::memcpy(in_at, static_cast<const uint8_t*>(r.hidden_states.data) + row * in_row,
+                  rows[p] * in_row);
+      std::memset(out_at, 0xFF, rows[p] * out_row);  // NaN
+      in_parts.push_back(TensorView{r.hidden_states.dtype, {rows[p], h}, in_at});
+      out_parts.push_back(TensorView{r.out.dtype, {rows[p], h}, out_at});
+      row += rows[p];
+    }
+    r.hidden_states.data = in_parts[0].data;
+    r.out.data = out_parts[0].data;
+    const absl::Status s = b.RunParts(0, layer->layer, r, in_parts, out_parts);
+    got->clear();
+    for (size_t p = 0; p < rows.size(); ++p) {
+      const auto* at = static_cast<const uint8_t*>(out_parts[p].data);
+      got->insert(got->end(), at, at + rows[p] * out_row);
+    }
+    return s;
+  };
+  cpu::RandomRequestSpec spec;
+  spec.top_k = 4;
+  for (const auto& [dtype_in, dtype_out] :
+       {std::pair{DType::kF32, DType::kF32}, std::pair{DType::kBF16, DType::kBF16}}) {
+    spec.in_dtype = dtype_in;
+    spec.out_dtype = dtype_out;
+    for (const std::vector<int64_t>& rows :
+         {std::vector<int64_t>{7, 21, 12}, std::vector<int64_t>{16, 16, 16, 16, 16, 16, 16, 16},
+          std::vector<int64_t>{1, 1, 30}}) {
+      int64_t tokens = 0;
+      for (int64_t n : rows) tokens += n;
+      spec.tokens = tokens;
+      ++spec.seed;
+      OwnedRequest whole = MakeRandomRequest(layer->layer, spec);
+      OwnedRequest want = whole;
+      whole.Poison();
+      want.Poison();
+      ASSERT_TRUE(b.Run(0, layer->layer, whole.Request()).ok());
+      ASSERT_TRUE(RunExpertsReference(layer->layer, want.Request()).ok());
+      EXPECT_LE(RelErr(whole, want, tokens * h), 1e-2);
+      std::vector<uint8_t> got;
+      const int64_t parts_before = GetCudaBackendCounters(b).parts_runs;
+      const absl::Status s = run_parts(whole, rows, 0, &got);
+      ASSERT_TRUE(s.ok()) << s;
+      EXPECT_EQ(GetCudaBackendCounters(b).parts_runs, parts_before + 1);
+      ASSERT_EQ(got.size(), static_cast<size_t>(whole.Request().out.NumBytes()));
+      EXPECT_EQ(std::memcmp(got.data(), whole.Request().out.data, got.size()), 0)
+          << rows.size() << " parts";
+      // A misaligned part: refused, nothing written.
+      EXPECT_TRUE(absl::IsUnimplemented(run_parts(whole, rows, 8, &got)));
+      EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](uint8_t v) { return v == 0xFF; }));
+    }
+  }
+  spec.in_dtype = DType::kF32;
+  spec.out_dtype = DType::kF32;
+  // A graphed size (4 tokens: the pinned buffer's graph): refused.
+  spec.tokens = 4;
+  ++spec.seed;
+  OwnedRequest small = MakeRandomRequest(layer->layer, spec);
+  std::vector<uint8_t> got;
+  EXPECT_TRUE(absl::IsUnimplemented(run_parts(small, {2, 2}, 0, &got)));
+  // A part outside registered memory: refused.
+  spec.tokens = 20;
+  ++spec.seed;
+  OwnedRequest whole = MakeRandomRequest(layer->layer, spec);
+  ExpertsRequest r = whole.Request();
+  std::vector<float> own_in(static_cast<size_t>(10 * h)), own_out(static_cast<size_t>(10 * h));
+  const std::vector<TensorView> outside_in = {
+      TensorView{DType::kF32, {10, h}, own_in.data()},
+      TensorView{DType::kF32, {10, h}, base}};
+  const std::vector<TensorView> outside_out = {
+      TensorView{DType::kF32, {10, h}, own_out.data()},
+      TensorView{DType::kF32, {10, h}, base + 65536}};
+  EXPECT_TRUE(absl::IsUnimplemented(b.RunParts(0, layer->layer, r, outside_in, outside_out)));
+  // Rows that do not add up to the batch's.
+  const std::vector<TensorView> short_in = {TensorView{DType::kF32, {10, h}, base}};
+  const std::vector<TensorView> short_out = {TensorView{DType::kF32, {10, h}, base + 65536}};
+  EXPECT_EQ(b.RunParts(0, layer->layer, r, short_in, short_out).code(),
+            absl::StatusCode::kInvalidArgument);
+  b.UnregisterHostMemory(base);
+}
+
 // Hidden states and output in device memory (what a shard passes for a same-host frontend's
 // ForwardCuda): read and written in place by the kernels at 256-byte aligned addresses, moved by
 // device copies at others; eager, captured and replayed; each form bit-equal to the same batch

@@ -29,7 +29,50 @@ __global__ void __launch_bounds__(kCopyThreads)
   }
 }
 
+struct CopyPartsParams {
+  const uint4* from[kMaxCopyParts];
+  uint4* to[kMaxCopyParts];
+  int64_t vectors[kMaxCopyParts];
+};
+
+// blockIdx.y: the part; its blocks copy it grid-stride.
+__global__ void __launch_bounds__(kCopyThreads) CopyPartsKernel(const CopyPartsParams p) {
+  const int part = blockIdx.y;
+  const uint4* __restrict__ from = p.from[part];
+  uint4* __restrict__ to = p.to[part];
+  const int64_t vectors = p.vectors[part];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kCopyThreads;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kCopyThreads + threadIdx.x; i < vectors;
+       i += stride) {
+    to[i] = from[i];
+  }
+}
+
 }  // namespace
+
+cudaError_t LaunchCopyParts(const CopyPart* parts, int count, cudaStream_t stream) {
+  if (count < 0 || count > kMaxCopyParts) return cudaErrorInvalidValue;
+  CopyPartsParams p = {};
+  int64_t most = 0, total = 0;
+  for (int i = 0; i < count; ++i) {
+    if (reinterpret_cast<uintptr_t>(parts[i].from) % 16 != 0 ||
+        reinterpret_cast<uintptr_t>(parts[i].to) % 16 != 0 || parts[i].bytes % 16 != 0) {
+      return cudaErrorInvalidValue;
+    }
+    p.from[i] = static_cast<const uint4*>(parts[i].from);
+    p.to[i] = static_cast<uint4*>(parts[i].to);
+    p.vectors[i] = static_cast<int64_t>(parts[i].bytes / 16);
+    most = std::max(most, p.vectors[i]);
+    total += p.vectors[i];
+  }
+  if (total == 0) return cudaSuccess;
+  // As LaunchCopyBytes: one block per 4 KB of the largest part, at most kMaxCopyBlocks in all.
+  const int64_t per_part = std::clamp<int64_t>((most + kCopyThreads - 1) / kCopyThreads, 1,
+                                               std::max<int64_t>(1, kMaxCopyBlocks / count));
+  CopyPartsKernel<<<dim3(static_cast<unsigned>(per_part), static_cast<unsigned>(count)),
+                    kCopyThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
 
 cudaError_t LaunchCopyBytes(const void* from, void* to, size_t bytes, cudaStream_t stream) {
   if (bytes == 0) return cudaSuccess;

@@ -405,6 +405,18 @@ cudaError_t LaunchExpertLayer(const ExpertLayerParams& p, Fp4Format format, bool
 // cudaErrorInvalidValue). A plain launch: it waits for everything before it on the stream.
 cudaError_t LaunchCopyBytes(const void* from, void* to, size_t bytes, cudaStream_t stream);
 
+// One copy of LaunchCopyParts.
+struct CopyPart {
+  const void* from = nullptr;
+  void* to = nullptr;
+  size_t bytes = 0;
+};
+inline constexpr int kMaxCopyParts = 32;
+// Up to kMaxCopyParts copies as LaunchCopyBytes does them, in one launch (a merged batch's rows
+// gathered from or scattered to its requests' mapped host buffers). Every pointer 16-byte aligned
+// and every size a multiple of 16 (else cudaErrorInvalidValue, nothing launched).
+cudaError_t LaunchCopyParts(const CopyPart* parts, int count, cudaStream_t stream);
+
 // programmatic: as GemmLaunch (the predecessor is GEMM2).
 cudaError_t LaunchExpertCombine(const ExpertCombineParams& p, bool programmatic,
                                 cudaStream_t stream);

@@ -206,6 +206,32 @@ absl::Status Executor::RunBatch(const std::vector<Pending*>& batch) {
     mask.push_back(&p->item->shared_mask);
   }
   const int64_t h = first.hidden.dim(1), k = first.local_ids.dim(1);
+  HostTensor all_ids = HostTensor::Uninitialized(DType::kI32, {tokens, k});
+  HostTensor all_weights = HostTensor::Uninitialized(DType::kF32, {tokens, k});
+  HostTensor all_mask;
+  CopyRows(ids, all_ids.view());
+  CopyRows(weights, all_weights.view());
+  if (first.shared_mask.present()) {
+    all_mask = HostTensor(DType::kBool, {tokens});
+    CopyRows(mask, all_mask.view());
+  }
+  // First the requests' own hidden-state and output rows, where the backend takes them as they
+  // are (RunParts: e.g. a CUDA backend's copy kernels gather and scatter them in registered
+  // memory): no concatenation on the host.
+  {
+    std::vector<TensorView> hidden_parts, out_parts;
+    for (Pending* p : batch) {
+      hidden_parts.push_back(p->item->hidden);
+      out_parts.push_back(p->item->out);
+    }
+    const ExpertsRequest parted{
+        TensorView{first.hidden.dtype, {tokens, h}, first.hidden.data}, all_ids.view(),
+        all_weights.view(), first.shared_mask.present() ? all_mask.view() : TensorView{},
+        TensorView{first.out.dtype, {tokens, h}, first.out.data}};
+    const absl::Status status =
+        backend_->RunParts(first.layer_index, *first.layer, parted, hidden_parts, out_parts);
+    if (!absl::IsUnimplemented(status)) return status;
+  }
   // Every buffer is overwritten entirely (rows copied in, the backend writes every output). The
   // hidden states and output go into the registered merge buffers.
   const TensorView all_hidden{
@@ -218,16 +244,7 @@ absl::Status Executor::RunBatch(const std::vector<Pending*>& batch) {
     return absl::ResourceExhaustedError(
         absl::StrCat("shard executor: no memory for a merged batch of ", tokens, " tokens"));
   }
-  HostTensor all_ids = HostTensor::Uninitialized(DType::kI32, {tokens, k});
-  HostTensor all_weights = HostTensor::Uninitialized(DType::kF32, {tokens, k});
-  HostTensor all_mask;
   CopyRows(hidden, all_hidden);
-  CopyRows(ids, all_ids.view());
-  CopyRows(weights, all_weights.view());
-  if (first.shared_mask.present()) {
-    all_mask = HostTensor(DType::kBool, {tokens});
-    CopyRows(mask, all_mask.view());
-  }
   absl::Status status = backend_->Run(
       first.layer_index, *first.layer,
       ExpertsRequest{all_hidden, all_ids.view(), all_weights.view(),

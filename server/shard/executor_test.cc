@@ -34,6 +34,29 @@ class FakeBackend final : public ExpertBackend {
     }
     return absl::OkStatus();
   }
+  // With take_parts: merged batches through RunParts (each part written as Run would write its
+  // rows); otherwise the base class's UNIMPLEMENTED, and the executor concatenates them.
+  absl::Status RunParts(int layer_index, const ExpertLayer& layer, const ExpertsRequest& r,
+                        absl::Span<const TensorView> hidden_parts,
+                        absl::Span<const TensorView> out_parts) override {
+    if (!take_parts) {
+      return ExpertBackend::RunParts(layer_index, layer, r, hidden_parts, out_parts);
+    }
+    const int64_t t = r.hidden_states.dim(0), h = r.hidden_states.dim(1);
+    batches.push_back(t);
+    device_flags.push_back(false);
+    in_registered.push_back(false);
+    std::vector<int64_t> rows;
+    for (size_t p = 0; p < hidden_parts.size(); ++p) {
+      rows.push_back(hidden_parts[p].dim(0));
+      for (int64_t i = 0; i < hidden_parts[p].dim(0) * h; ++i) {
+        out_parts[p].As<float>()[i] =
+            hidden_parts[p].As<const float>()[i] * 2 + static_cast<float>(t);
+      }
+    }
+    parts_seen.push_back(rows);
+    return absl::OkStatus();
+  }
   absl::Status RegisterHostMemory(void* data, size_t bytes) override {
     registered[data] = bytes;
     ++registrations;
@@ -55,6 +78,8 @@ class FakeBackend final : public ExpertBackend {
   std::vector<bool> in_registered;  // per batch: hidden states and output in registered memory
   std::map<void*, size_t> registered;
   int registrations = 0;
+  bool take_parts = false;
+  std::vector<std::vector<int64_t>> parts_seen;  // rows of each RunParts batch's parts
 };
 
 struct Item {
@@ -121,6 +146,25 @@ TEST(ExecutorTest, MergesQueuedRequestsOfTheSameLayer) {
   EXPECT_EQ(s.max_batch_tokens, 7u);
   EXPECT_EQ(executor.TakeStatsDelta().requests, 4u);
   EXPECT_EQ(executor.TakeStatsDelta().requests, 0u);
+}
+
+// A backend that takes a merged batch as its requests' own rows (RunParts) gets them in queue
+// order, and no concatenation happens on the host (the merge buffers are never made).
+TEST(ExecutorTest, MergedBatchesGoToRunPartsWhereTheBackendTakesThem) {
+  FakeBackend backend;
+  backend.take_parts = true;
+  ExpertLayer layer;
+  Executor executor(&backend, ExecutorOptions{.max_batch_tokens = 100});
+  Item first(1, 2, 0.f, &layer, 0);
+  Item a(3, 2, 10.f, &layer, 0), b(4, 2, 20.f, &layer, 0), c(2, 2, 30.f, &layer, 0);
+  RunBehindFirst(executor, backend, first, {&a, &b, &c});
+  ASSERT_EQ(backend.batches, (std::vector<int64_t>{1, 9}));
+  EXPECT_EQ(backend.parts_seen, (std::vector<std::vector<int64_t>>{{3, 4, 2}}));
+  EXPECT_EQ(backend.registrations, 0);
+  for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(a.out.data<float>()[i], (10.f + i) * 2 + 9);
+  for (int64_t i = 0; i < 8; ++i) EXPECT_EQ(b.out.data<float>()[i], (20.f + i) * 2 + 9);
+  for (int64_t i = 0; i < 4; ++i) EXPECT_EQ(c.out.data<float>()[i], (30.f + i) * 2 + 9);
+  EXPECT_EQ(executor.stats().merged_batches, 1u);
 }
 
 // The merge buffers stay registered from batch to batch and are unregistered (and freed) when
