@@ -80,6 +80,54 @@ double RunAndCompare(ExpertBackend& backend, int layer_index, const OwnedLayer& 
   return RunAndCompare(backend, layer_index, layer, spec, status);
 }
 
+// `spec`'s batch run by `b` from ordinary memory, its output checked within 1e-2 of the CPU
+// reference; returned with that output for bit comparisons.
+OwnedRequest RunPlain(ExpertBackend& b, const OwnedLayer& layer,
+                      const cpu::RandomRequestSpec& spec) {
+  OwnedRequest plain = MakeRandomRequest(layer.layer, spec);
+  OwnedRequest want = plain;
+  plain.Poison();
+  want.Poison();
+  EXPECT_TRUE(b.Run(0, layer.layer, plain.Request()).ok());
+  EXPECT_TRUE(RunExpertsReference(layer.layer, want.Request()).ok());
+  EXPECT_LE(RelErr(plain, want, spec.tokens * layer.layer.hidden), 1e-2);
+  return plain;
+}
+
+// How the backend moved a batch (counter deltas of one Run).
+struct Moved {
+  bool direct = false;
+  bool mapped = false;
+};
+
+// Runs `spec`'s batch (RunPlain) and again with its hidden states at base + in_at and its output
+// at base + out_at (either -1: the request's own memory); expects the same bits.
+Moved RunPlacedAgainstPlain(ExpertBackend& b, const OwnedLayer& layer,
+                            const cpu::RandomRequestSpec& spec, uint8_t* base, int64_t in_at,
+                            int64_t out_at) {
+  OwnedRequest plain = RunPlain(b, layer, spec);
+  OwnedRequest placed = plain;  // the same inputs
+  placed.Poison();
+  ExpertsRequest r = placed.Request();
+  if (in_at >= 0) {
+    std::memcpy(base + in_at, r.hidden_states.data,
+                static_cast<size_t>(r.hidden_states.NumBytes()));
+    r.hidden_states.data = base + in_at;
+  }
+  if (out_at >= 0) {
+    std::memset(base + out_at, 0xFF, static_cast<size_t>(r.out.NumBytes()));  // NaN
+    r.out.data = base + out_at;
+  }
+  const CudaBackendCounters before = GetCudaBackendCounters(b);
+  const absl::Status s = b.Run(0, layer.layer, r);
+  EXPECT_TRUE(s.ok()) << s;
+  const CudaBackendCounters after = GetCudaBackendCounters(b);
+  const void* got = out_at >= 0 ? static_cast<const void*>(base + out_at) : r.out.data;
+  EXPECT_EQ(std::memcmp(got, plain.Request().out.data, static_cast<size_t>(r.out.NumBytes())), 0)
+      << "T=" << spec.tokens << " in_at " << in_at << " out_at " << out_at;
+  return {after.direct_runs > before.direct_runs, after.mapped_runs > before.mapped_runs};
+}
+
 TEST(CudaBackendVersionsTest, TwoVersionsOfALayerServeSideBySide) {
   std::unique_ptr<ExpertBackend> backend = Backend();
   if (backend == nullptr) GTEST_SKIP() << "no CUDA device";
@@ -280,38 +328,10 @@ TEST(CudaBackendVersionsTest, RegisteredHostMemoryIsUsedInPlace) {
   // The same range again: refused (the first registration stays).
   EXPECT_FALSE(b.RegisterHostMemory(base, kRegion).ok());
 
-  // Runs `spec`'s batch with its hidden states at region offset `in_at` and its output at
-  // `out_at` (either -1: the request's own memory); expects the bits of the same batch run from
-  // ordinary memory. Returns whether the backend counted it as a direct Run.
+  // Whether the backend counted the placed Run as a direct one.
   const auto run_in_region = [&](const cpu::RandomRequestSpec& spec, int64_t in_at,
                                  int64_t out_at) {
-    OwnedRequest plain = MakeRandomRequest(layer->layer, spec);
-    OwnedRequest placed = plain;
-    OwnedRequest want = plain;
-    plain.Poison();
-    placed.Poison();
-    want.Poison();
-    EXPECT_TRUE(b.Run(0, layer->layer, plain.Request()).ok());
-    EXPECT_TRUE(RunExpertsReference(layer->layer, want.Request()).ok());
-    EXPECT_LE(RelErr(plain, want, spec.tokens * layer->layer.hidden), 1e-2);
-    ExpertsRequest r = placed.Request();
-    if (in_at >= 0) {
-      std::memcpy(base + in_at, r.hidden_states.data, static_cast<size_t>(r.hidden_states.NumBytes()));
-      r.hidden_states.data = base + in_at;
-    }
-    if (out_at >= 0) {
-      std::memset(base + out_at, 0xFF, static_cast<size_t>(r.out.NumBytes()));  // NaN
-      r.out.data = base + out_at;
-    }
-    const int64_t direct_before = GetCudaBackendCounters(b).direct_runs;
-    const absl::Status s = b.Run(0, layer->layer, r);
-    EXPECT_TRUE(s.ok()) << s;
-    const size_t out_bytes = static_cast<size_t>(r.out.NumBytes());
-    const void* got = out_at >= 0 ? static_cast<const void*>(base + out_at) : r.out.data;
-    const void* expect = plain.Request().out.data;
-    EXPECT_EQ(std::memcmp(got, expect, out_bytes), 0)
-        << "T=" << spec.tokens << " in_at " << in_at << " out_at " << out_at;
-    return GetCudaBackendCounters(b).direct_runs > direct_before;
+    return RunPlacedAgainstPlain(b, *layer, spec, base, in_at, out_at).direct;
   };
   cpu::RandomRequestSpec spec;
   spec.tokens = 40;  // F32 [40, 256]: 40 KB in and out
@@ -393,37 +413,11 @@ TEST(CudaBackendVersionsTest, SmallRegisteredTensorsMoveByCopyKernels) {
       for (const auto& [in_at, out_at] :
            {std::pair<int64_t, int64_t>{0, kOut}, {16, -1}, {-1, kOut + 48}, {8, kOut + 8}}) {
         ++spec.seed;
-        OwnedRequest plain = MakeRandomRequest(layer->layer, spec);
-        OwnedRequest placed = plain;
-        OwnedRequest want = plain;
-        plain.Poison();
-        placed.Poison();
-        want.Poison();
-        ASSERT_TRUE(b.Run(0, layer->layer, plain.Request()).ok());
-        ASSERT_TRUE(RunExpertsReference(layer->layer, want.Request()).ok());
-        EXPECT_LE(RelErr(plain, want, spec.tokens * layer->layer.hidden), 1e-2);
-        ExpertsRequest r = placed.Request();
-        if (in_at >= 0) {
-          std::memcpy(base + in_at, r.hidden_states.data,
-                      static_cast<size_t>(r.hidden_states.NumBytes()));
-          r.hidden_states.data = base + in_at;
-        }
-        if (out_at >= 0) {
-          std::memset(base + out_at, 0xFF, static_cast<size_t>(r.out.NumBytes()));  // NaN
-          r.out.data = base + out_at;
-        }
-        const int64_t mapped_before = GetCudaBackendCounters(b).mapped_runs;
-        const absl::Status s = b.Run(0, layer->layer, r);
-        ASSERT_TRUE(s.ok()) << s;
-        const void* got = out_at >= 0 ? static_cast<const void*>(base + out_at) : r.out.data;
-        EXPECT_EQ(std::memcmp(got, plain.Request().out.data, static_cast<size_t>(r.out.NumBytes())),
-                  0)
-            << "in_at " << in_at << " out_at " << out_at << " kernel copies " << kernel_copies;
         const bool aligned_in = in_at >= 0 && in_at % 16 == 0;
         const bool aligned_out = out_at >= 0 && out_at % 16 == 0;
-        EXPECT_EQ(GetCudaBackendCounters(b).mapped_runs - mapped_before,
-                  kernel_copies && (aligned_in || aligned_out) ? 1 : 0)
-            << "in_at " << in_at << " out_at " << out_at;
+        EXPECT_EQ(RunPlacedAgainstPlain(b, *layer, spec, base, in_at, out_at).mapped,
+                  kernel_copies && (aligned_in || aligned_out))
+            << "in_at " << in_at << " out_at " << out_at << " kernel copies " << kernel_copies;
       }
     }
     b.UnregisterHostMemory(base);
@@ -450,9 +444,9 @@ TEST(CudaBackendVersionsTest, RunPartsGathersAndScattersRegisteredRows) {
   const int64_t h = layer->layer.hidden;
   // Splits `whole`'s hidden rows into parts of `rows` at region offsets (in, out) 64 KB apart,
   // runs RunParts, and returns its status; `got` receives the output rows in order.
-  const auto run_parts = [&](const OwnedRequest& whole, const std::vector<int64_t>& rows,
+  const auto run_parts = [&](OwnedRequest& whole, const std::vector<int64_t>& rows,
                              size_t in_shift, std::vector<uint8_t>* got) {
-    ExpertsRequest r = const_cast<OwnedRequest&>(whole).Request();
+    ExpertsRequest r = whole.Request();
     const size_t in_row = static_cast<size_t>(h) * DTypeSize(r.hidden_states.dtype);
     const size_t out_row = static_cast<size_t>(h) * DTypeSize(r.out.dtype);
     std::vector<TensorView> in_parts, out_parts;
@@ -490,13 +484,7 @@ TEST(CudaBackendVersionsTest, RunPartsGathersAndScattersRegisteredRows) {
       for (int64_t n : rows) tokens += n;
       spec.tokens = tokens;
       ++spec.seed;
-      OwnedRequest whole = MakeRandomRequest(layer->layer, spec);
-      OwnedRequest want = whole;
-      whole.Poison();
-      want.Poison();
-      ASSERT_TRUE(b.Run(0, layer->layer, whole.Request()).ok());
-      ASSERT_TRUE(RunExpertsReference(layer->layer, want.Request()).ok());
-      EXPECT_LE(RelErr(whole, want, tokens * h), 1e-2);
+      OwnedRequest whole = RunPlain(b, *layer, spec);
       std::vector<uint8_t> got;
       const int64_t parts_before = GetCudaBackendCounters(b).parts_runs;
       const absl::Status s = run_parts(whole, rows, 0, &got);

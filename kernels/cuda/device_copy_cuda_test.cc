@@ -26,20 +26,40 @@ bool HaveDevice() {
   return true;
 }
 
+// Mapped pinned input and output buffers (with their device addresses), a device buffer and a
+// stream, freed with the struct. Fill with MakeCopyBuffers.
+struct CopyBuffers {
+  ~CopyBuffers() {
+    if (stream != nullptr) cudaStreamDestroy(stream);
+    cudaFree(dev);
+    cudaFreeHost(in);
+    cudaFreeHost(out);
+  }
+  uint8_t *in = nullptr, *out = nullptr, *dev = nullptr;
+  void *in_dev = nullptr, *out_dev = nullptr;
+  cudaStream_t stream = nullptr;
+};
+
+void MakeCopyBuffers(size_t in_bytes, size_t out_bytes, size_t dev_bytes, CopyBuffers* b) {
+  ASSERT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&b->in), in_bytes, cudaHostAllocMapped),
+            cudaSuccess);
+  ASSERT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&b->out), out_bytes, cudaHostAllocMapped),
+            cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&b->dev, dev_bytes), cudaSuccess);
+  ASSERT_EQ(cudaHostGetDevicePointer(&b->in_dev, b->in, 0), cudaSuccess);
+  ASSERT_EQ(cudaHostGetDevicePointer(&b->out_dev, b->out, 0), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&b->stream, cudaStreamNonBlocking), cudaSuccess);
+}
+
 TEST(DeviceCopyTest, PinnedToDeviceToPinnedKeepsEveryByte) {
   if (!HaveDevice()) GTEST_SKIP() << "no CUDA device";
   constexpr size_t kMax = (size_t{1} << 20) + 4096;
   constexpr size_t kGuard = 64;
-  uint8_t *in = nullptr, *out = nullptr, *dev = nullptr;
-  ASSERT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&in), kMax, cudaHostAllocMapped), cudaSuccess);
-  ASSERT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&out), kMax + kGuard, cudaHostAllocMapped),
-            cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&dev, kMax + kGuard), cudaSuccess);
-  void *in_dev = nullptr, *out_dev = nullptr;
-  ASSERT_EQ(cudaHostGetDevicePointer(&in_dev, in, 0), cudaSuccess);
-  ASSERT_EQ(cudaHostGetDevicePointer(&out_dev, out, 0), cudaSuccess);
-  cudaStream_t stream;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  CopyBuffers b;
+  ASSERT_NO_FATAL_FAILURE(MakeCopyBuffers(kMax, kMax + kGuard, kMax + kGuard, &b));
+  uint8_t *in = b.in, *out = b.out, *dev = b.dev;
+  void *in_dev = b.in_dev, *out_dev = b.out_dev;
+  cudaStream_t stream = b.stream;
   std::mt19937_64 rng(20261201);
   for (size_t bytes : {size_t{1}, size_t{15}, size_t{16}, size_t{17}, size_t{4095}, size_t{4096},
                        size_t{4111}, size_t{65536 + 3}, kMax - 5, kMax}) {
@@ -61,10 +81,6 @@ TEST(DeviceCopyTest, PinnedToDeviceToPinnedKeepsEveryByte) {
   EXPECT_EQ(LaunchCopyBytes(dev + 1, dev + 4096, 64, stream), cudaErrorInvalidValue);
   EXPECT_EQ(LaunchCopyBytes(dev, dev + 4104, 64, stream), cudaErrorInvalidValue);
   EXPECT_EQ(LaunchCopyBytes(dev + 1, dev + 4096, 0, stream), cudaSuccess);  // nothing to do
-  cudaStreamDestroy(stream);
-  cudaFree(dev);
-  cudaFreeHost(in);
-  cudaFreeHost(out);
 }
 
 // LaunchCopyParts: parts of several sizes gathered from mapped pinned host memory into one device
@@ -73,15 +89,11 @@ TEST(DeviceCopyTest, PinnedToDeviceToPinnedKeepsEveryByte) {
 TEST(DeviceCopyTest, PartsGatherAndScatterEveryByte) {
   if (!HaveDevice()) GTEST_SKIP() << "no CUDA device";
   constexpr size_t kHost = size_t{4} << 20;
-  uint8_t *in = nullptr, *out = nullptr, *dev = nullptr;
-  ASSERT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&in), kHost, cudaHostAllocMapped), cudaSuccess);
-  ASSERT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&out), kHost, cudaHostAllocMapped), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&dev, kHost), cudaSuccess);
-  void *in_dev = nullptr, *out_dev = nullptr;
-  ASSERT_EQ(cudaHostGetDevicePointer(&in_dev, in, 0), cudaSuccess);
-  ASSERT_EQ(cudaHostGetDevicePointer(&out_dev, out, 0), cudaSuccess);
-  cudaStream_t stream;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  CopyBuffers b;
+  ASSERT_NO_FATAL_FAILURE(MakeCopyBuffers(kHost, kHost, kHost, &b));
+  uint8_t *in = b.in, *out = b.out, *dev = b.dev;
+  void *in_dev = b.in_dev, *out_dev = b.out_dev;
+  cudaStream_t stream = b.stream;
   std::mt19937_64 rng(20261201);
   for (size_t i = 0; i < kHost; ++i) in[i] = static_cast<uint8_t>(rng());
   // (host offset, bytes) of each part; the device side is packed in order.
@@ -106,7 +118,9 @@ TEST(DeviceCopyTest, PartsGatherAndScatterEveryByte) {
     for (size_t i = at; i < at + bytes; ++i) covered[i] = true;
   }
   for (size_t i = 0; i < kHost; ++i) {
-    if (!covered[i]) ASSERT_EQ(out[i], 0xA5) << "byte " << i << " outside every part was written";
+    if (!covered[i]) {
+      ASSERT_EQ(out[i], 0xA5) << "byte " << i << " outside every part was written";
+    }
   }
   // The device region past the packed parts kept its fill.
   std::vector<uint8_t> tail(64);
@@ -121,10 +135,6 @@ TEST(DeviceCopyTest, PartsGatherAndScatterEveryByte) {
   EXPECT_EQ(LaunchCopyParts(many.data(), static_cast<int>(many.size()), stream),
             cudaErrorInvalidValue);
   EXPECT_EQ(LaunchCopyParts(many.data(), 0, stream), cudaSuccess);  // nothing to do
-  cudaStreamDestroy(stream);
-  cudaFree(dev);
-  cudaFreeHost(in);
-  cudaFreeHost(out);
 }
 
 }  // namespace
