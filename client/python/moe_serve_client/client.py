@@ -10,7 +10,9 @@ Thread-safety: forward() may be called from several threads at once. Ownership: 
 its channels and watch thread; close() (or a `with` block) releases them.
 """
 
+import collections
 import dataclasses
+import ssl
 import threading
 import time
 
@@ -25,6 +27,10 @@ from moe_serve_client import wire
 MAX_MESSAGE_BYTES = 256 << 20  # the servers' limit too
 # transport="auto": seconds before a shard whose TCP channel did not open is tried again.
 _TCP_RETRY_AFTER = 30.0
+# transport="auto" under TLS: the largest request (hidden-state bytes) sent over a TLS TCP
+# channel; larger ones take the gRPC call (the C++ client's kTlsChannelMaxAutoPayload: a TLS
+# channel costs ~4-8 us per 16 KB record and direction, NOTES-cuda.md).
+_TLS_CHANNEL_MAX_AUTO_PAYLOAD = 64 << 10
 
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
@@ -67,8 +73,66 @@ class _MapState:
     layers: list  # dispatch.LayerPlacement per layer
 
 
-def _channel(address):
-    return grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+class _CallDetails(collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                         "compression")), grpc.ClientCallDetails):
+    pass
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds "authorization: Bearer <token>" to every call (the servers' --auth_tokens_file)."""
+
+    def __init__(self, token):
+        self._header = ("authorization", "Bearer " + token)
+
+    def _details(self, d):
+        return _CallDetails(d.method, d.timeout, list(d.metadata or []) + [self._header],
+                            d.credentials, getattr(d, "wait_for_ready", None),
+                            getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+class _Security:
+    """How the client reaches the servers: plaintext or TLS (verified with the CA in `tls_ca`,
+    with a client certificate for mutual TLS), and an optional bearer token on every call."""
+
+    def __init__(self, tls_ca=None, tls_cert=None, tls_key=None, auth_token=None):
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("tls_cert and tls_key come together")
+        if tls_cert is not None and tls_ca is None:
+            raise ValueError("a client certificate (tls_cert) needs tls_ca")
+        if auth_token is not None and not auth_token:
+            raise ValueError("auth_token is empty")
+        self.tls = tls_ca is not None
+        self._credentials = None
+        self.ssl_context = None  # verifies the shards' TLS TCP channels
+        if self.tls:
+            self._credentials = grpc.ssl_channel_credentials(
+                root_certificates=_read(tls_ca),
+                private_key=_read(tls_key) if tls_key else None,
+                certificate_chain=_read(tls_cert) if tls_cert else None)
+            self.ssl_context = ssl.create_default_context(cafile=tls_ca)
+            if tls_cert:
+                self.ssl_context.load_cert_chain(tls_cert, tls_key)
+        self._token = _BearerToken(auth_token) if auth_token else None
+
+    def channel(self, address):
+        """(the channel to close, the channel to call through)."""
+        if self._credentials is not None:
+            raw = grpc.secure_channel(address, self._credentials, options=_CHANNEL_OPTIONS)
+        else:
+            raw = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        return raw, grpc.intercept_channel(raw, self._token) if self._token else raw
 
 
 def _retryable(error):
@@ -82,11 +146,19 @@ def _all_ready(cluster_map):
         s.ready for s in cluster_map.shards)
 
 
-def connect(coordinator, wait=60.0, watch_map=True, default_deadline=30.0):
+def connect(coordinator, wait=60.0, watch_map=True, default_deadline=30.0, *, tls_ca=None,
+            tls_cert=None, tls_key=None, auth_token=None):
     """A client of the cluster whose coordinator listens at `coordinator` ("host:port"), once the
     coordinator has published a map whose shards are all ready (polling for up to `wait` seconds;
-    MoeServeError UNAVAILABLE after that)."""
-    client = MoeClient(coordinator, watch_map=watch_map, default_deadline=default_deadline)
+    MoeServeError UNAVAILABLE after that, naming the last answer, e.g. UNAUTHENTICATED).
+
+    Secured clusters (the servers' --tls_cert / --tls_ca / --auth_tokens_file): `tls_ca`, the
+    path of the PEM CA certificate that verifies the servers, turns on TLS for every call and
+    for the shards' TCP channels; `tls_cert` and `tls_key` (PEM paths) add a client certificate
+    (--tls_require_client_cert); `auth_token` is sent as "authorization: Bearer <token>" on
+    every call (a frontend token)."""
+    client = MoeClient(coordinator, watch_map=watch_map, default_deadline=default_deadline,
+                       tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, auth_token=auth_token)
     try:
         client._wait_until_ready(wait)
     except BaseException:
@@ -98,15 +170,17 @@ def connect(coordinator, wait=60.0, watch_map=True, default_deadline=30.0):
 class MoeClient:
     """Use connect(); see the module docstring."""
 
-    def __init__(self, coordinator, watch_map=True, default_deadline=30.0):
+    def __init__(self, coordinator, watch_map=True, default_deadline=30.0, tls_ca=None,
+                 tls_cert=None, tls_key=None, auth_token=None):
         self.coordinator = coordinator
         self.default_deadline = default_deadline
         self._watch = watch_map
-        self._channel = _channel(coordinator)
-        self._coordinator = pb.coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._security = _Security(tls_ca, tls_cert, tls_key, auth_token)
+        self._channel, calls = self._security.channel(coordinator)
+        self._coordinator = pb.coordinator_pb2_grpc.CoordinatorStub(calls)
         self._lock = threading.Lock()
         self._state = None
-        self._shards = {}  # address -> (channel, stub)
+        self._shards = {}  # address -> (channel, channel to call through, stub)
         self._idle_tcp = {}  # address -> open TcpChannels not in use (transport="tcp")
         self._no_tcp = set()  # addresses of shards that do not serve TCP channels
         # transport="auto": address -> time.monotonic() before which no channel is tried again
@@ -197,9 +271,9 @@ class MoeClient:
     def _shard_stub(self, address):
         with self._lock:
             if address not in self._shards:
-                channel = _channel(address)
-                self._shards[address] = (channel, pb.shard_pb2_grpc.ExpertShardStub(channel))
-            return self._shards[address][1]
+                channel, calls = self._security.channel(address)
+                self._shards[address] = (channel, calls, pb.shard_pb2_grpc.ExpertShardStub(calls))
+            return self._shards[address][2]
 
     def _take_tcp(self, address, timeout, fall_back):
         """An idle TCP channel to the shard at `address`, or a new one; None when the shard does
@@ -214,11 +288,12 @@ class MoeClient:
             idle = self._idle_tcp.get(address)
             if idle:
                 return idle.pop()
-            grpc_channel = self._shards[address][0]
+            grpc_channel = self._shards[address][1]
         host = address[1:address.index("]")] if address.startswith("[") else \
             address.rsplit(":", 1)[0] if address.count(":") == 1 else address
         try:
-            return tcp_channel.open_channel(grpc_channel, host, timeout)
+            return tcp_channel.open_channel(grpc_channel, host, timeout,
+                                            ssl_context=self._security.ssl_context)
         except tcp_channel.TcpChannelError as e:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:
                 with self._lock:
@@ -254,9 +329,10 @@ class MoeClient:
         transport "tcp" sends each shard's request over a direct TCP channel (kept open from call
         to call; shards started with --tcp_channel) instead of a gRPC call: a decode step then
         costs about a TCP round trip of transport; shards without them get the gRPC call. "auto"
-        (the default; this client's gRPC calls are plaintext too) does the same, but a shard
-        whose channel cannot be opened gets gRPC calls for a while instead of an error; "grpc"
-        never opens channels.
+        (the default) does the same, but a shard whose channel cannot be opened gets gRPC calls
+        for a while instead of an error, and with TLS (connect's tls_ca) only requests of up to
+        64 KB of hidden states take a channel (TLS ones, verified with the same CA); "grpc" never
+        opens channels.
         ValueError for malformed arguments; MoeServeError when the cluster refuses the call or
         the deadline passes."""
         hidden, ids, weights, padding = self._check(layer, hidden, topk_ids, topk_weights,
@@ -323,9 +399,12 @@ class MoeClient:
                     continue
                 address = cluster_map.shards[rank].address
                 timeout = max(give_up - time.monotonic(), 0.001)
-                channel = None if transport == "grpc" else \
-                    self._take_tcp(address, timeout, fall_back=transport == "auto")
                 rows_wire = np.ascontiguousarray(hidden_wire[rows])
+                # Under TLS, "auto" keeps large requests on gRPC (_TLS_CHANNEL_MAX_AUTO_PAYLOAD).
+                use_tcp = transport == "tcp" or (transport == "auto" and (
+                    not self._security.tls or rows_wire.nbytes <= _TLS_CHANNEL_MAX_AUTO_PAYLOAD))
+                channel = self._take_tcp(address, timeout, fall_back=transport == "auto") \
+                    if use_tcp else None
                 data = wire.to_tensor(rows_wire, tensor_dtype)
                 if channel is not None:
                     data.data = b""  # the bytes travel beside the header
@@ -403,7 +482,7 @@ class MoeClient:
         with self._lock:
             shards, self._shards = self._shards, {}
             idle, self._idle_tcp = self._idle_tcp, {}
-        for channel, _ in shards.values():
+        for channel, _, _ in shards.values():
             channel.close()
         for channels in idle.values():
             for channel in channels:

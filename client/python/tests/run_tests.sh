@@ -7,6 +7,8 @@
 #   - test_cluster.py against moe_coordinator + 2 moe_shard processes (8 experts in 24 slots: three
 #     replicas each, so the replica hash decides the shard) and a standalone moe_shard hosting
 #     every expert (the reference);
+#   - test_secure.py against a secured coordinator + shard (a throw-away PKI made with the
+#     openssl command-line tool: TLS, client certificates required, bearer tokens);
 #   - the README's Python example, extracted from README.md and run verbatim.
 # Servers bind port 0 and are stopped on every exit.
 set -euo pipefail
@@ -61,6 +63,48 @@ MOE_TEST_COORDINATOR="$COORDINATOR" MOE_TEST_REFERENCE="$REFERENCE" \
   tee "$WORK/cluster_tests.out"
 grep -qE "^Ran [0-9]+ tests" "$WORK/cluster_tests.out"
 ! grep -q "skipped" "$WORK/cluster_tests.out" || { echo "cluster tests were skipped"; exit 1; }
+
+# --- a secured cluster: TLS, client certificates required, bearer tokens ----------------------
+PKI="$WORK/pki"
+mkdir -p "$PKI"
+(
+  cd "$PKI"
+  for ca in ca rogue_ca; do
+    openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout "$ca.key" \
+      -out "$ca.pem" -days 2 -subj "/CN=$ca" 2>>openssl.log
+  done
+  for leaf in node:ca rogue:rogue_ca; do
+    name=${leaf%%:*} ca=${leaf##*:}
+    printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n' \
+      >"$name.ext"
+    openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout "$name.key" \
+      -out "$name.csr" -subj "/CN=$name" 2>>openssl.log
+    openssl x509 -req -in "$name.csr" -CA "$ca.pem" -CAkey "$ca.key" -CAcreateserial \
+      -out "$name.pem" -days 2 -extfile "$name.ext" 2>>openssl.log
+  done
+  printf 'frontend py-frontend-5d1e web\ninternal py-internal-0b7c nodes\n' >tokens.txt
+  echo py-internal-0b7c >internal_token.txt
+)
+SECURE=(--tls_cert "$PKI/node.pem" --tls_key "$PKI/node.key" --tls_ca "$PKI/ca.pem"
+  --tls_require_client_cert --auth_tokens_file "$PKI/tokens.txt"
+  --auth_token_file "$PKI/internal_token.txt")
+"$RUNFILES/server/coordinator/moe_coordinator" --port 0 --port_file "$WORK/secure_coordinator.port" \
+  --num_shards 1 "${SECURE[@]}" 2>"$WORK/secure_coordinator.log" &
+PIDS+=($!)
+SECURE_COORDINATOR="127.0.0.1:$(wait_port "$WORK/secure_coordinator.port" "${PIDS[-1]}")"
+"$RUNFILES/server/shard/moe_shard" --model "$WORK/model" --coordinator "$SECURE_COORDINATOR" \
+  --port 0 --port_file "$WORK/secure_shard.port" --backend cpu --tcp_channel "${SECURE[@]}" \
+  2>"$WORK/secure_shard.log" &
+PIDS+=($!)
+wait_port "$WORK/secure_shard.port" "${PIDS[-1]}" >/dev/null
+MOE_TEST_SECURE_COORDINATOR="$SECURE_COORDINATOR" MOE_TEST_REFERENCE="$REFERENCE" \
+  MOE_TEST_PKI="$PKI" MOE_TEST_FRONTEND_TOKEN=py-frontend-5d1e \
+  "$PY" -m unittest discover -s "$WORK/src/client/python/tests" -p test_secure.py -v 2>&1 |
+  tee "$WORK/secure_tests.out"
+grep -qE "^Ran [0-9]+ tests" "$WORK/secure_tests.out"
+! grep -q "skipped" "$WORK/secure_tests.out" || { echo "secure cluster tests were skipped"; exit 1; }
+grep -q "tcp channel: connection opened" "$WORK/secure_shard.log" ||
+  { echo "the secured shard opened no TCP channel"; exit 1; }
 
 # --- the README example, verbatim ---------------------------------------------------------------
 "$PY" - "$WORK/src/client/python/README.md" >"$WORK/example.py" <<'EOF'
