@@ -343,8 +343,8 @@ class CudaExpertBackend final : public ExpertBackend {
   uint64_t graph_layers_ ABSL_GUARDED_BY(run_mu_) = 0;
   std::atomic<uint64_t> layers_generation_{0};
   CudaBackendCounters counters_ ABSL_GUARDED_BY(run_mu_);
-  // Host memory pinned by RegisterHostMemory: base address -> bytes. Taken after run_mu_ where
-  // both are held.
+  // Host memory pinned (and mapped) by RegisterHostMemory, by base address. Taken after run_mu_
+  // where both are held.
   mutable absl::Mutex registered_mu_;
   // A registered range: its length and, where the device maps it, its device address (null:
   // not mapped; the copy kernels then do not touch it).

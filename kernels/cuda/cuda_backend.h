@@ -2,9 +2,10 @@
 // kept on the device per layer (PrepareLayer); each Run copies the batch (hidden states, local
 // ids, top-k weights, shared mask) to the device, runs the expert kernels (expert_kernels.h; as a
 // CUDA graph for shapes seen before) and copies the F32/BF16 output back. Host memory registered
-// with RegisterHostMemory (pinned) is read and written in place, and hidden states and output in
-// device memory (DeviceForTensors: the backend's device) by device copies. Results are bitwise
-// repeatable run to run, graph or not.
+// with RegisterHostMemory (pinned and mapped) is read and written in place, and hidden states and
+// output in device memory (DeviceForTensors: the backend's device) by device copies. RunParts
+// takes a merged batch's rows where they lie in registered memory (copy kernels gather and scatter
+// them). Results are bitwise repeatable run to run, graph or not.
 //
 // Called by CreateBackend("cuda") and tests. Thread-safety and ownership as ExpertBackend: one
 // thread at a time per instance; device copies of the layers are owned by the instance.
