@@ -106,7 +106,8 @@ absl::Status ReadExactly(int fd, void* dst, size_t n, absl::Time deadline) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<size_t> ReceiveSpinning(int fd, void* dst, size_t n, absl::Duration spin) {
+absl::StatusOr<size_t> ReceiveSpinning(int fd, void* dst, size_t n, absl::Duration spin,
+                                       const std::atomic<int>* yield_to) {
   if (spin <= absl::ZeroDuration()) return 0;
   auto* p = static_cast<uint8_t*>(dst);
   size_t got = 0;
@@ -119,7 +120,8 @@ absl::StatusOr<size_t> ReceiveSpinning(int fd, void* dst, size_t n, absl::Durati
       return absl::UnavailableError("tcp channel: connection closed by the peer");
     } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
       return absl::UnavailableError(absl::StrCat("tcp channel: recv: ", std::strerror(errno)));
-    } else if (absl::Now() >= stop) {
+    } else if (absl::Now() >= stop ||
+               (yield_to != nullptr && yield_to->load(std::memory_order_relaxed) > 0)) {
       break;
     }
   }

@@ -21,6 +21,7 @@
 
 #include <sys/uio.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -72,9 +73,11 @@ absl::Status TcpErrorStatus(const TcpFramePrefix& prefix, std::string message);
 // Polls `fd` (non-blocking receives) for up to `spin` for the first bytes of `n`, so that a
 // waiter whose answer comes soon does not sleep in the kernel and pay a wake-up; returns how many
 // bytes arrived meanwhile (0 .. n; read the rest with ReadExactly). UNAVAILABLE when the peer
-// closed the connection or it failed. spin <= 0: returns 0 at once.
+// closed the connection or it failed. spin <= 0: returns 0 at once. With `yield_to` set, it
+// also stops polling as soon as that counter is positive (other work wants the core).
 [[nodiscard]] absl::StatusOr<size_t> ReceiveSpinning(int fd, void* dst, size_t n,
-                                                     absl::Duration spin);
+                                                     absl::Duration spin,
+                                                     const std::atomic<int>* yield_to = nullptr);
 // Writes every byte of `iov` (modified as it goes) to `fd`, with the errors of ReadExactly. No
 // SIGPIPE on a closed peer.
 [[nodiscard]] absl::Status WriteAll(int fd, iovec* iov, int iov_count, absl::Time deadline);

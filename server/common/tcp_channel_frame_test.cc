@@ -3,9 +3,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <thread>
 
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 
 namespace moe {
@@ -91,6 +93,40 @@ TEST(TcpChannelFrameTest, ReceiveSpinningTakesWhatArrivesWithinTheSpin) {
   close(fds[0]);
   EXPECT_EQ(ReceiveSpinning(fds[1], buf, 1, absl::Seconds(10)).status().code(),
             absl::StatusCode::kUnavailable);
+  close(fds[1]);
+}
+
+// With a counter to yield to: a positive count ends the polling at once (long before the spin
+// runs out), one that turns positive while it polls ends it then, and data that is already there
+// is still taken.
+TEST(TcpChannelFrameTest, ReceiveSpinningYieldsToOtherWork) {
+  int fds[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
+  uint8_t buf[8] = {};
+  std::atomic<int> busy{1};
+  absl::Time start = absl::Now();
+  absl::StatusOr<size_t> got = ReceiveSpinning(fds[1], buf, sizeof(buf), absl::Seconds(30), &busy);
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(*got, 0u);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  busy = 0;
+  std::thread later([&busy] {
+    absl::SleepFor(absl::Milliseconds(50));
+    busy = 1;
+  });
+  start = absl::Now();
+  got = ReceiveSpinning(fds[1], buf, sizeof(buf), absl::Seconds(30), &busy);
+  later.join();
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(*got, 0u);
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(40));  // it polled until the count rose
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  ASSERT_EQ(send(fds[0], "abcdefgh", 8, 0), 8);
+  got = ReceiveSpinning(fds[1], buf, sizeof(buf), absl::Seconds(30), &busy);
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(*got, 8u);  // what is there is read before the count is looked at
+  EXPECT_EQ(std::memcmp(buf, "abcdefgh", 8), 0);
+  close(fds[0]);
   close(fds[1]);
 }
 

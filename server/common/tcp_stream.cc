@@ -294,8 +294,9 @@ absl::Status TcpStream::ReadExactly(void* dst, size_t n, absl::Time deadline) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<size_t> TcpStream::ReceiveSpinning(void* dst, size_t n, absl::Duration spin) {
-  if (ssl_ == nullptr) return moe::ReceiveSpinning(fd_, dst, n, spin);
+absl::StatusOr<size_t> TcpStream::ReceiveSpinning(void* dst, size_t n, absl::Duration spin,
+                                                  const std::atomic<int>* yield_to) {
+  if (ssl_ == nullptr) return moe::ReceiveSpinning(fd_, dst, n, spin, yield_to);
   if (spin <= absl::ZeroDuration()) return 0;
   const absl::Time stop = absl::Now() + spin;
   while (true) {
@@ -307,7 +308,10 @@ absl::StatusOr<size_t> TcpStream::ReceiveSpinning(void* dst, size_t n, absl::Dur
     if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
       return absl::UnavailableError(absl::StrCat("tcp channel: recv: ", std::strerror(errno)));
     }
-    if (absl::Now() >= stop) return 0;
+    if (absl::Now() >= stop ||
+        (yield_to != nullptr && yield_to->load(std::memory_order_relaxed) > 0)) {
+      return 0;
+    }
   }
 }
 

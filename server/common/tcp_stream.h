@@ -18,6 +18,7 @@
 
 #include <sys/uio.h>
 
+#include <atomic>
 #include <cstddef>
 #include <memory>
 #include <string>
@@ -76,7 +77,8 @@ class TcpStream {
   // As the functions of tcp_channel_frame.h of the same names, through TLS when there is.
   [[nodiscard]] absl::Status ReadExactly(void* dst, size_t n, absl::Time deadline);
   [[nodiscard]] absl::Status WriteAll(iovec* iov, int iov_count, absl::Time deadline);
-  [[nodiscard]] absl::StatusOr<size_t> ReceiveSpinning(void* dst, size_t n, absl::Duration spin);
+  [[nodiscard]] absl::StatusOr<size_t> ReceiveSpinning(void* dst, size_t n, absl::Duration spin,
+                                                       const std::atomic<int>* yield_to = nullptr);
 
  private:
   TcpStream(int fd, SSL* ssl) : fd_(fd), ssl_(ssl) {}

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "glog/logging.h"
@@ -117,6 +118,8 @@ TcpChannelService::TcpChannelService(ExpertShardService* shard, TcpChannelOption
       max_spinning_(options_.max_spinning > 0
                         ? options_.max_spinning
                         : std::max(1, static_cast<int>(std::thread::hardware_concurrency() / 4))),
+      polling_yields_(options_.polling_yields >= 0 ? options_.polling_yields > 0
+                                                   : std::thread::hardware_concurrency() < 4),
       acceptor_([this] { AcceptLoop(); }) {}
 
 size_t TcpChannelService::open_connections() const {
@@ -286,9 +289,11 @@ absl::Status TcpChannelService::ServeOne(TcpStream& stream, const std::string& i
   if (options_.spin > absl::ZeroDuration() &&
       (state.last_gap <= options_.spin || ++state.unspun >= 16)) {
     state.unspun = 0;
-    // Polls only while a polling slot is free.
-    if (spinning_.fetch_add(1) < max_spinning_) {
-      absl::StatusOr<size_t> got = stream.ReceiveSpinning(raw, sizeof(raw), options_.spin);
+    // Polls only while a polling slot is free (and, where polling yields, no request is being
+    // served).
+    if (spinning_.fetch_add(1) < max_spinning_ && !(polling_yields_ && serving_.load() > 0)) {
+      absl::StatusOr<size_t> got = stream.ReceiveSpinning(raw, sizeof(raw), options_.spin,
+                                                          polling_yields_ ? &serving_ : nullptr);
       spinning_.fetch_sub(1);
       if (!got.ok()) return got.status();
       spun = *got;
@@ -303,6 +308,9 @@ absl::Status TcpChannelService::ServeOne(TcpStream& stream, const std::string& i
     return s;
   }
   state.last_gap = absl::Now() - state.answered;
+  // Counted from the prefix to the answer's last byte (pollers give way meanwhile).
+  serving_.fetch_add(1);
+  const absl::Cleanup served = [this] { serving_.fetch_sub(1); };
   const absl::Time deadline = absl::Now() + options_.frame_timeout;
   const TcpFramePrefix prefix = DecodeTcpPrefix(raw);
   absl::Status framing =

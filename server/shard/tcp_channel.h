@@ -60,6 +60,12 @@ struct TcpChannelOptions {
   // frontends cannot keep every core busy polling; 0: a quarter of the machine's cores (at
   // least 1).
   int max_spinning = 0;
+  // Whether a polling thread gives way to requests: it polls only while no connection's request
+  // is being served and stops as soon as one is (so it never takes a core from the work). -1
+  // (default): on machines of fewer than 4 cores, where one polling thread is a large share
+  // (on the 2-core VM, 4 clients' p99 was 1.1 ms with a poller against 0.36 ms without); 0:
+  // never; 1: always.
+  int polling_yields = -1;
   HostBufferPoolOptions buffers;
   // TLS for every data connection (the shard's gRPC certificate; TcpStream::AcceptTls), and
   // OpenTcpChannel tells clients so; null: plaintext. Under TLS a connection over
@@ -141,6 +147,8 @@ class TcpChannelService final : public v1::TcpChannelShard::Service {
   std::atomic<uint64_t> framing_errors_{0};
   std::atomic<int> spinning_{0};  // connection threads polling now
   int max_spinning_ = 1;          // TcpChannelOptions::max_spinning, resolved
+  bool polling_yields_ = false;   // TcpChannelOptions::polling_yields, resolved
+  std::atomic<int> serving_{0};   // requests read and not yet answered
   mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::list<Connection> connections_ ABSL_GUARDED_BY(mu_);
