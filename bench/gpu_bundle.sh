@@ -60,7 +60,8 @@ make_bundle() {
   git rev-parse --short HEAD > "$B"/commit
   if ! git diff --quiet HEAD -- kernels bench third_party; then echo "+uncommitted" >> "$B"/commit; fi
   chmod u+w "$B"/*
-  for name in "${targets[@]}"; do strip "$B/$name"; done
+  # NOSTRIP="rpc_bench ..." keeps those symbol tables (a crash's stack then names functions).
+  for name in "${targets[@]}"; do [[ " ${NOSTRIP:-} " == *" $name "* ]] || strip "$B/$name"; done
   tar cf - -C "$B" . | xz -T0 --lzma2=preset=6,dict=192MiB > /tmp/moe_gpu_bundle.txz
   rm -rf "$B" && mkdir "$B" && mv /tmp/moe_gpu_bundle.txz "$B"/b.txz
   du -sh "$B"

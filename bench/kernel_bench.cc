@@ -681,7 +681,7 @@ int Main() {
         }
         sets.back() = Upload(RandomBatch(problem, tokens, rng), num_experts, stream);
       }
-      BENCH_CHECK_OK(runner.Reserve(layer, sets.back()->plan));
+      BENCH_CHECK_OK(runner.Reserve(layer, sets.back()->plan, stream));
       active += sets.back()->plan.active_slots;
     }
     active /= rotations;
@@ -929,7 +929,7 @@ int Main() {
         for (auto& set : sets) {
           saved.push_back(set->plan);
           set->plan = cuda::WithTokenGroups(set->plan, groups);
-          BENCH_CHECK_OK(runner.Reserve(layer, set->plan));
+          BENCH_CHECK_OK(runner.Reserve(layer, set->plan, stream));
         }
         const Stats st = Summarize(TimeGraph(layer, runner, sets, false, reps, stream));
         std::printf("      %-16s median %8.1f us (p10 %8.1f p90 %8.1f)\n", name.c_str(),

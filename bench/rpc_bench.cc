@@ -54,6 +54,7 @@
 #include "client/raw_forward.h"
 #include "client/shm_channel.h"
 #include "client/tcp_channel.h"
+#include "glog/logging.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/device.h"
 #include "moe/v1/shard.grpc.pb.h"
@@ -127,6 +128,9 @@ ABSL_FLAG(double, seconds, 1.0, "timed seconds per case (at least 3 calls per cl
 ABSL_FLAG(int64_t, max_inflight_mib, 128, "skip cases where clients * payload exceeds this");
 ABSL_FLAG(std::string, backend, "cpu",
           "shard backend (what moe_shard --backend=auto picks without a GPU; no expert runs)");
+ABSL_FLAG(int, cuda_concurrent_runs, 0,
+          "batches the shard's cuda backend runs at once (moe_shard --cuda_concurrent_runs; 0: "
+          "its default)");
 ABSL_FLAG(bool, tune_allocator, true, "raise glibc's mmap threshold (as moe_shard does)");
 ABSL_FLAG(std::string, routes, "none",
           "none: every route -1 (transport + staging only); uniform: top_k distinct experts per "
@@ -869,6 +873,7 @@ absl::StatusOr<std::unique_ptr<LocalShard>> StartLocalShard(const RequestShape& 
   InProcessShardOptions options;
   options.model_dir = dir;
   options.backend = absl::GetFlag(FLAGS_backend);
+  options.cuda_concurrent_runs = absl::GetFlag(FLAGS_cuda_concurrent_runs);
   options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   options.max_batch_wait = absl::Microseconds(absl::GetFlag(FLAGS_max_batch_wait_us));
   options.observer = observer;
@@ -1040,6 +1045,7 @@ int Main() {
       {"raw_pool_mib", absl::GetFlag(FLAGS_raw_pool_mib)},
       {"max_batch_tokens", absl::GetFlag(FLAGS_max_batch_tokens)},
       {"max_batch_wait_us", absl::GetFlag(FLAGS_max_batch_wait_us)},
+      {"cuda_concurrent_runs", absl::GetFlag(FLAGS_cuda_concurrent_runs)},
       {"allocator_tuned", tuned},
       {"channel_spin_us", absl::GetFlag(FLAGS_channel_spin_us) >= 0
                               ? absl::GetFlag(FLAGS_channel_spin_us)
@@ -1077,6 +1083,7 @@ int main(int argc, char** argv) {
       "against an in-process shard; with --routes=uniform, the served latency of real expert "
       "compute on --backend.");
   absl::ParseCommandLine(argc, argv);
+  google::InstallFailureSignalHandler();  // a crash prints its stack
   if (const std::string address = absl::GetFlag(FLAGS_cuda_client); !address.empty()) {
     moe::RequestShape shape;
     shape.hidden = absl::GetFlag(FLAGS_hidden);

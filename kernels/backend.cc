@@ -11,16 +11,22 @@
 namespace moe {
 
 absl::StatusOr<std::unique_ptr<ExpertBackend>> CreateBackend(absl::string_view name,
-                                                             int cuda_device) {
+                                                             int cuda_device,
+                                                             int cuda_concurrent_runs) {
   std::string why;
   if (cuda_device < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--cuda_device=", cuda_device, ": a device index is 0 or more"));
   }
+  if (cuda_concurrent_runs < 0 || cuda_concurrent_runs > kMaxConcurrentCudaRuns) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cuda_concurrent_runs=", cuda_concurrent_runs, ": expected 0 (default) to ",
+                     kMaxConcurrentCudaRuns));
+  }
   if (name == "cpu-reference") return MakeCpuReferenceBackend();
   if (name == "cpu") return MakeCpuBackend(CpuBackendOptions{});
   if (name == "auto") {
-    if (cuda::DeviceCount(&why) > 0) return CreateBackend("cuda", cuda_device);
+    if (cuda::DeviceCount(&why) > 0) return CreateBackend("cuda", cuda_device, cuda_concurrent_runs);
     return MakeCpuBackend(CpuBackendOptions{});
   }
   if (name == "cuda") {
@@ -29,6 +35,7 @@ absl::StatusOr<std::unique_ptr<ExpertBackend>> CreateBackend(absl::string_view n
     }
     CudaBackendOptions options;
     options.device = cuda_device;
+    if (cuda_concurrent_runs > 0) options.concurrent_runs = cuda_concurrent_runs;
     return MakeCudaExpertBackend(options);
   }
   return absl::InvalidArgumentError(

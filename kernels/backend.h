@@ -1,8 +1,9 @@
 // The expert-execution backend interface and its factory: the seam between the shard service and
 // the compute backends (CPU reference, optimized CPU, CUDA). The service never sees which one runs.
 //
-// Called by the shard's executor (one batch at a time per backend instance) and by benchmarks.
-// Thread-safety: a backend instance is used by one thread at a time; create one per executor.
+// Called by the shard's executor and by benchmarks.
+// Thread-safety: Run and RunParts may be called from up to MaxConcurrentRuns() threads at once
+// (1 for most backends: one thread at a time); create one backend per executor.
 // Ownership: the backend never owns the layer weights; PrepareLayer may keep derived copies
 // (repacked or device-resident) that it owns.
 #ifndef MOE_KERNELS_BACKEND_H_
@@ -59,6 +60,10 @@ class ExpertBackend {
     return absl::UnimplementedError("this backend runs merged batches from one buffer");
   }
 
+  // How many Run / RunParts calls may be in progress at once (from as many threads); the shard's
+  // executor runs that many batches concurrently. 1 (the default): one at a time.
+  virtual int MaxConcurrentRuns() const { return 1; }
+
   // The CUDA device whose memory Run takes as hidden states and output (ExpertsRequest::
   // hidden_on_device, out_on_device), or -1: host memory only (the default).
   virtual int DeviceForTensors() const { return -1; }
@@ -83,8 +88,11 @@ class ExpertBackend {
 // process sees them, i.e. under CUDA_VISIBLE_DEVICES); the CPU backends ignore it.
 // INVALID_ARGUMENT for an unknown name or a negative device; FAILED_PRECONDITION for "cuda"
 // without a device, with the reason, or with a device index past the devices present.
+// cuda_concurrent_runs: CudaBackendOptions::concurrent_runs of a CUDA backend (0: its default;
+// INVALID_ARGUMENT outside 0..8); the CPU backends ignore it.
 absl::StatusOr<std::unique_ptr<ExpertBackend>> CreateBackend(absl::string_view name,
-                                                             int cuda_device = 0);
+                                                             int cuda_device = 0,
+                                                             int cuda_concurrent_runs = 0);
 
 }  // namespace moe
 

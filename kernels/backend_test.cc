@@ -55,6 +55,14 @@ TEST(CreateBackendTest, RefusesBadNamesAndNegativeDevices) {
     ASSERT_FALSE(negative.ok()) << name;
     EXPECT_EQ(negative.status().code(), absl::StatusCode::kInvalidArgument) << name;
     EXPECT_NE(negative.status().message().find("--cuda_device=-1"), absl::string_view::npos);
+    for (int runs : {-1, 9}) {
+      absl::StatusOr<std::unique_ptr<ExpertBackend>> lanes = CreateBackend(name, 0, runs);
+      ASSERT_FALSE(lanes.ok()) << name << " " << runs;
+      EXPECT_EQ(lanes.status().code(), absl::StatusCode::kInvalidArgument) << name;
+      EXPECT_NE(lanes.status().message().find(absl::StrCat("--cuda_concurrent_runs=", runs)),
+                absl::string_view::npos)
+          << lanes.status();
+    }
   }
 }
 

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "glog/logging.h"
@@ -80,22 +81,29 @@ struct DeviceVersion {
 
 class CudaExpertBackend final : public ExpertBackend {
  public:
-  CudaExpertBackend(const CudaBackendOptions& options, cudaStream_t stream)
-      : options_(options), stream_(stream) {
-    runner_.set_poison_scratch(options.poison_scratch);
-    runner_.set_gemm_variant(options.gemm_variant);
-    if (options.wgmma_min_tokens >= 0) runner_.set_wgmma_min_tokens(options.wgmma_min_tokens);
-    runner_.set_direct_routes(options.direct_routes);
-    runner_.set_l2_prefetch(options.l2_prefetch);
-    runner_.set_fold_grouped(options.fold_grouped);
-    runner_.set_hidden_in_place(options.wgmma_byte_savers);
-    runner_.set_y_bf16(options.wgmma_byte_savers);
-    runner_.set_wgmma_l2_ahead(options.wgmma_l2_ahead);
-    runner_.set_wgmma_persistent(options.wgmma_persistent);
-    runner_.set_fused_layer(options.fused_layer);
-    runner_.set_item_ready(options.item_ready);
-    runner_.set_acc_scale(options.acc_scale);
-    runner_.set_programmatic_launch(options.programmatic_launch);
+  // One lane per stream in `streams` (owned from here on).
+  CudaExpertBackend(const CudaBackendOptions& options, const std::vector<cudaStream_t>& streams)
+      : options_(options) {
+    for (cudaStream_t stream : streams) {
+      auto lane = std::make_unique<Lane>();
+      lane->stream = stream;
+      cuda::ExpertRunner& runner = lane->runner;
+      runner.set_poison_scratch(options.poison_scratch);
+      runner.set_gemm_variant(options.gemm_variant);
+      if (options.wgmma_min_tokens >= 0) runner.set_wgmma_min_tokens(options.wgmma_min_tokens);
+      runner.set_direct_routes(options.direct_routes);
+      runner.set_l2_prefetch(options.l2_prefetch);
+      runner.set_fold_grouped(options.fold_grouped);
+      runner.set_hidden_in_place(options.wgmma_byte_savers);
+      runner.set_y_bf16(options.wgmma_byte_savers);
+      runner.set_wgmma_l2_ahead(options.wgmma_l2_ahead);
+      runner.set_wgmma_persistent(options.wgmma_persistent);
+      runner.set_fused_layer(options.fused_layer);
+      runner.set_item_ready(options.item_ready);
+      runner.set_acc_scale(options.acc_scale);
+      runner.set_programmatic_launch(options.programmatic_launch);
+      lanes_.push_back(std::move(lane));
+    }
     const int hardware = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     copy_pool_ = std::make_unique<cpu::ThreadPool>(
         std::clamp(options_.copy_threads > 0 ? options_.copy_threads : std::min(8, hardware), 1,
@@ -111,11 +119,11 @@ class CudaExpertBackend final : public ExpertBackend {
   }
   ~CudaExpertBackend() override {
     cudaSetDevice(options_.device);
-    {
-      absl::MutexLock lock(&run_mu_);
-      ClearGraphs();
-      if (pinned_ != nullptr) cudaFreeHost(pinned_);
-      for (cudaEvent_t e : copy_events_) cudaEventDestroy(e);
+    for (const std::unique_ptr<Lane>& lane : lanes_) {
+      absl::MutexLock lock(&lane->mu);
+      ClearGraphs(*lane);
+      if (lane->pinned != nullptr) cudaFreeHost(lane->pinned);
+      for (cudaEvent_t e : lane->copy_events) cudaEventDestroy(e);
     }
     {
       // Memory still registered stays the caller's; only its pinning ends here.
@@ -129,20 +137,23 @@ class CudaExpertBackend final : public ExpertBackend {
       absl::MutexLock lock(&layers_mu_);
       layers_.clear();
     }
-    cudaStreamDestroy(stream_);
+    for (const std::unique_ptr<Lane>& lane : lanes_) cudaStreamDestroy(lane->stream);
   }
 
+  // Every lane's, added up.
   CudaBackendCounters counters() const {
-    absl::MutexLock lock(&run_mu_);
-    CudaBackendCounters n = counters_;
-    {
-      absl::MutexLock registered(&registered_mu_);
-      n.registered_bytes = static_cast<int64_t>(registered_total_);
+    CudaBackendCounters n;
+    for (const std::unique_ptr<Lane>& lane : lanes_) {
+      absl::MutexLock lock(&lane->mu);
+      Add(lane->counters, n);
+      n.fused_layer_launches += lane->runner.fused_layer_launches();
+      n.item_ready_launches += lane->runner.item_ready_launches();
     }
-    n.fused_layer_launches = runner_.fused_layer_launches();
-    n.item_ready_launches = runner_.item_ready_launches();
+    absl::MutexLock registered(&registered_mu_);
+    n.registered_bytes = static_cast<int64_t>(registered_total_);
     return n;
   }
+  int MaxConcurrentRuns() const override { return static_cast<int>(lanes_.size()); }
 
   // Device copies kept per layer index (the shard keeps up to 4 map versions).
   static constexpr size_t kVersionsPerLayer = 4;
@@ -177,10 +188,22 @@ class CudaExpertBackend final : public ExpertBackend {
       absl::MutexLock lock(&layers_mu_);
       std::erase_if(layers_[layer_index], [&](const auto& v) { return v->host == host; });
     }
-    absl::StatusOr<std::unique_ptr<cuda::DeviceExpertLayer>> d =
-        cuda::UploadExpertLayer(layer, options_.device, options_.upload_threads);
+    absl::StatusOr<std::unique_ptr<cuda::DeviceExpertLayer>> d;
+    {
+      // Allocation and synchronous copies: not while another lane captures (capture_mu_; a Run
+      // that needs no capture or new scratch goes on meanwhile).
+      absl::MutexLock capture(&capture_mu_);
+      d = cuda::UploadExpertLayer(layer, options_.device, options_.upload_threads);
+    }
     if (!d.ok()) return d.status();
-    auto version = std::make_shared<DeviceVersion>(DeviceVersion{std::move(host), *std::move(d)});
+    // Freed under capture_mu_ too, wherever its last reference goes (an evicted version, or the
+    // end of the Run that still used it).
+    std::shared_ptr<const DeviceVersion> version(
+        new DeviceVersion{std::move(host), *std::move(d)},
+        [this](const DeviceVersion* v) {
+          absl::MutexLock capture(&capture_mu_);
+          delete v;
+        });
     // Graphs captured against an evicted or replaced copy would read freed memory: Run drops them
     // all when this changes.
     layers_generation_.fetch_add(1);
@@ -222,6 +245,45 @@ class CudaExpertBackend final : public ExpertBackend {
   struct RowParts {
     absl::Span<const TensorView> hidden, out;
   };
+  // Captured graphs by shape key (valid while the lane's graph_* fields below are unchanged).
+  struct Graph {
+    cudaGraphExec_t exec = nullptr;
+    uint64_t last_use = 0;
+  };
+  // What one Run at a time uses: a stream, the runner (its scratch), the device arena, the pinned
+  // buffer and the graphs captured against them. Runs on different lanes overlap: one lane's host
+  // work (checks, plan, copies, launches) runs while another's kernels use the GPU.
+  struct Lane {
+    absl::Mutex mu;
+    cudaStream_t stream = nullptr;
+    cuda::ExpertRunner runner ABSL_GUARDED_BY(mu);
+    DeviceBuffer arena ABSL_GUARDED_BY(mu);
+    uint8_t* pinned ABSL_GUARDED_BY(mu) = nullptr;  // cudaHostAlloc'd, pinned_bytes long
+    // The same memory as the device addresses it (mapped): the copy kernels' side of it. Null
+    // where the device cannot map host memory (then the copy engine moves every batch).
+    uint8_t* pinned_device ABSL_GUARDED_BY(mu) = nullptr;
+    size_t pinned_bytes ABSL_GUARDED_BY(mu) = 0;
+    // Captured graphs by shape key, and how often each shape ran (a shape is captured on its
+    // second batch; kNoGraph after a failed capture).
+    std::unordered_map<std::string, Graph> graphs ABSL_GUARDED_BY(mu);
+    std::unordered_map<std::string, int> seen ABSL_GUARDED_BY(mu);
+    uint64_t uses ABSL_GUARDED_BY(mu) = 0;
+    // (arena pointer, pinned buffer, runner scratch generation, layers generation) the graphs
+    // were captured with.
+    const void* graph_arena ABSL_GUARDED_BY(mu) = nullptr;
+    const void* graph_pinned ABSL_GUARDED_BY(mu) = nullptr;
+    uint64_t graph_scratch ABSL_GUARDED_BY(mu) = 0;
+    uint64_t graph_layers ABSL_GUARDED_BY(mu) = 0;
+    CudaBackendCounters counters ABSL_GUARDED_BY(mu);
+    std::vector<cudaEvent_t> copy_events ABSL_GUARDED_BY(mu);  // one per output piece
+  };
+  // A free lane, locked (the first one free; when all are busy, the next in turn, waited for).
+  Lane& AcquireLane() ABSL_NO_THREAD_SAFETY_ANALYSIS;
+  // Grows the lane's device arena to `bytes_needed` and, when `pinned`, its pinned buffer too
+  // (under capture_mu_; nothing to do, and no lock, once they are large enough).
+  absl::Status GrowBuffers(Lane& lane, size_t bytes_needed, bool pinned)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
+  static void Add(const CudaBackendCounters& a, CudaBackendCounters& sum);
   // Run, or RunParts with `parts` (else null).
   absl::Status RunImpl(int layer_index, const ExpertLayer& layer, const ExpertsRequest& request,
                        const RowParts* parts);
@@ -237,7 +299,7 @@ class CudaExpertBackend final : public ExpertBackend {
   }
   // Whether [data, data + bytes) lies inside one registered range; then *device (when not null)
   // is where the device addresses `data`, or null where the range is not mapped. The address
-  // stays valid while run_mu_ is held (UnregisterHostMemory takes it first).
+  // stays valid while the Run's lane is held (UnregisterHostMemory takes every lane first).
   bool FindRegistered(const void* data, size_t bytes, uint8_t** device) const
       ABSL_LOCKS_EXCLUDED(registered_mu_);
   absl::StatusOr<std::shared_ptr<const DeviceVersion>> Prepared(int layer_index,
@@ -275,76 +337,63 @@ class CudaExpertBackend final : public ExpertBackend {
   // Copies the inputs into the device arena (through the pinned buffer when `pinned`; with
   // kKernelsWithBatch only into the pinned buffer), the hidden states as `hidden` says (kMapped:
   // from `hidden_mapped`, the device's address of them).
-  absl::Status CopyIn(const ExpertsRequest& request, bool with_mask, const ArenaLayout& at,
-                      bool pinned, Moves moves, HiddenFrom hidden, const uint8_t* hidden_mapped)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
+  absl::Status CopyIn(Lane& lane, const ExpertsRequest& request, bool with_mask,
+                      const ArenaLayout& at, bool pinned, Moves moves, HiddenFrom hidden,
+                      const uint8_t* hidden_mapped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
   // Copies the output back (through the pinned buffer when `pinned`; with kKernelsWithBatch the
   // move to it is already enqueued) and waits for it.
-  absl::Status CopyOut(const ExpertsRequest& request, const ArenaLayout& at, bool pinned,
-                       Moves moves) ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
+  absl::Status CopyOut(Lane& lane, const ExpertsRequest& request, const ArenaLayout& at,
+                       bool pinned, Moves moves) ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
   // Pieces of the pinned copies: the host copies one while the DMA engine moves the previous.
   static constexpr size_t kCopyPieceBytes = size_t{4} << 20;
   static constexpr size_t kMaxSeenShapes = 4096;
   // Runs within which a graph counts as in use (the cache's eviction guard, EnqueueKernels).
   static constexpr uint64_t kHotGraphUses = 4 * kMaxCudaGraphs;
-  // seen_ value of a shape that runs eagerly from now on (its capture failed).
+  // Lane::seen value of a shape that runs eagerly from now on (its capture failed).
   static constexpr int kNoGraph = -(1 << 30);
   // Captures the kernels of this batch into *exec (instantiated); nothing runs.
-  absl::Status Capture(const cuda::DeviceExpertLayer& layer, const cuda::DeviceBatch& batch,
-                       const cuda::RoutePlan& plan, const BatchMoves* moves,
-                       cudaGraphExec_t* exec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
+  absl::Status Capture(Lane& lane, const cuda::DeviceExpertLayer& layer,
+                       const cuda::DeviceBatch& batch, const cuda::RoutePlan& plan,
+                       const BatchMoves* moves, cudaGraphExec_t* exec)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
   // The batch's kernels, between its copy kernels when `moves` is not null.
-  absl::Status EnqueueBatch(const cuda::DeviceExpertLayer& layer, const cuda::DeviceBatch& batch,
-                            const cuda::RoutePlan& plan, const BatchMoves* moves)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
+  absl::Status EnqueueBatch(Lane& lane, const cuda::DeviceExpertLayer& layer,
+                            const cuda::DeviceBatch& batch, const cuda::RoutePlan& plan,
+                            const BatchMoves* moves) ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
   // Enqueues the kernels (and `moves`): eagerly, or through a graph captured for the batch's
   // shape.
   // `in_place`: the batch reads or writes device tensors of the caller in place (their
   // addresses are part of its graph's shape).
-  absl::Status EnqueueKernels(const cuda::DeviceExpertLayer& layer, const cuda::DeviceBatch& batch,
-                              const cuda::RoutePlan& plan, const BatchMoves* moves, bool in_place)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
-  void ClearGraphs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(run_mu_);
+  absl::Status EnqueueKernels(Lane& lane, const cuda::DeviceExpertLayer& layer,
+                              const cuda::DeviceBatch& batch, const cuda::RoutePlan& plan,
+                              const BatchMoves* moves, bool in_place)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
+  static void ClearGraphs(Lane& lane) ABSL_EXCLUSIVE_LOCKS_REQUIRED(lane.mu);
   // Whether batches of this plan's size run as CUDA graphs (CudaBackendOptions::graph_max_tokens).
   bool Graphed(const cuda::RoutePlan& plan) const {
     return options_.graph_max_tokens > 0 && plan.tokens <= options_.graph_max_tokens;
   }
 
   CudaBackendOptions options_;
-  cudaStream_t stream_;
+  // Held while a lane captures a CUDA graph, and by everything that may synchronize the device
+  // or change its memory map meanwhile on another thread: device and pinned allocation and
+  // freeing (scratch, arenas, pinned buffers, layer copies), host memory registration, graph
+  // destruction. A device-wide synchronization during another thread's capture crashed the
+  // driver on the H200 (SIGSEGV in cuCtxSynchronize) or failed with "operation not permitted
+  // when stream is capturing". Taken after a lane's mutex and after layers_mu_, before
+  // registered_mu_; once a lane's buffers and graphs are warm, a Run does not take it.
+  absl::Mutex capture_mu_;
   absl::Mutex layers_mu_;
   std::map<int, std::deque<std::shared_ptr<const DeviceVersion>>> layers_
       ABSL_GUARDED_BY(layers_mu_);
-  // One Run at a time on the private stream and its buffers (the executor calls from one
-  // thread; this keeps other callers correct too).
-  mutable absl::Mutex run_mu_;
-  cuda::ExpertRunner runner_ ABSL_GUARDED_BY(run_mu_);
-  DeviceBuffer arena_ ABSL_GUARDED_BY(run_mu_);
-  uint8_t* pinned_ ABSL_GUARDED_BY(run_mu_) = nullptr;  // cudaHostAlloc'd, pinned_bytes_ long
-  // The same memory as the device addresses it (mapped): the copy kernels' side of it. Null
-  // where the device cannot map host memory (then the copy engine moves every batch).
-  uint8_t* pinned_device_ ABSL_GUARDED_BY(run_mu_) = nullptr;
+  // CudaBackendOptions::concurrent_runs lanes (fixed after construction).
+  std::vector<std::unique_ptr<Lane>> lanes_;
+  std::atomic<uint64_t> next_lane_{0};
+  std::atomic<int> runs_in_progress_{0};  // Runs holding a lane
   bool can_map_host_ = false;  // cudaDevAttrCanMapHostMemory
-  size_t pinned_bytes_ ABSL_GUARDED_BY(run_mu_) = 0;
-  // Captured graphs by shape key (valid while the epoch below is unchanged), and how often each
-  // shape ran (a shape is captured on its second batch; kNoGraph after a failed capture).
-  struct Graph {
-    cudaGraphExec_t exec = nullptr;
-    uint64_t last_use = 0;
-  };
-  std::unordered_map<std::string, Graph> graphs_ ABSL_GUARDED_BY(run_mu_);
-  std::unordered_map<std::string, int> seen_ ABSL_GUARDED_BY(run_mu_);
-  uint64_t uses_ ABSL_GUARDED_BY(run_mu_) = 0;
-  // (arena pointer, pinned buffer, runner scratch generation, layers generation) the graphs were
-  // captured with.
-  const void* graph_arena_ ABSL_GUARDED_BY(run_mu_) = nullptr;
-  const void* graph_pinned_ ABSL_GUARDED_BY(run_mu_) = nullptr;
-  uint64_t graph_scratch_ ABSL_GUARDED_BY(run_mu_) = 0;
-  uint64_t graph_layers_ ABSL_GUARDED_BY(run_mu_) = 0;
   std::atomic<uint64_t> layers_generation_{0};
-  CudaBackendCounters counters_ ABSL_GUARDED_BY(run_mu_);
-  // Host memory pinned (and mapped) by RegisterHostMemory, by base address. Taken after run_mu_
-  // where both are held.
+  // Host memory pinned (and mapped) by RegisterHostMemory, by base address. Taken after a lane's
+  // mutex where both are held.
   mutable absl::Mutex registered_mu_;
   // A registered range: its length and, where the device maps it, its device address (null:
   // not mapped; the copy kernels then do not touch it).
@@ -354,19 +403,23 @@ class CudaExpertBackend final : public ExpertBackend {
   };
   std::map<uintptr_t, Registered> registered_ ABSL_GUARDED_BY(registered_mu_);
   size_t registered_total_ ABSL_GUARDED_BY(registered_mu_) = 0;
-  // Threads of the host copies into and out of the pinned buffer (one Run at a time uses it).
+  // Threads of the host copies into and out of the pinned buffers; one lane's copy at a time
+  // (copy_pool_mu_) splits across them.
   std::unique_ptr<cpu::ThreadPool> copy_pool_;
-  std::vector<cudaEvent_t> copy_events_ ABSL_GUARDED_BY(run_mu_);  // one per output piece
+  absl::Mutex copy_pool_mu_;
 };
 
 // memcpy split between the pool's threads when large enough to pay for waking them (at 368 KB
 // per tensor, five threads measured slower than one on the H200's host: 616 vs 505 us per Run).
-void ParallelCopy(cpu::ThreadPool& pool, void* dst, const void* src, size_t bytes) {
+// `pool_mu` is held while the pool works (one ParallelFor at a time).
+void ParallelCopy(cpu::ThreadPool& pool, absl::Mutex& pool_mu, void* dst, const void* src,
+                  size_t bytes) {
   constexpr size_t kSplitBytes = size_t{2} << 20;
   if (bytes < kSplitBytes || pool.num_threads() == 1) {
     std::memcpy(dst, src, bytes);
     return;
   }
+  absl::MutexLock lock(&pool_mu);
   const int parts = static_cast<int>(std::min<size_t>(pool.num_threads(), bytes / (512 << 10)));
   pool.ParallelFor(parts, [&](int i, int n) {
     // 64-byte aligned cuts.
@@ -413,9 +466,10 @@ CudaExpertBackend::ArenaLayout CudaExpertBackend::Layout(const ExpertsRequest& r
   return at;
 }
 
-absl::Status CudaExpertBackend::CopyIn(const ExpertsRequest& request, bool with_mask,
-                                       const ArenaLayout& at, bool pinned, Moves moves,
-                                       HiddenFrom hidden, const uint8_t* hidden_mapped) {
+absl::Status CudaExpertBackend::CopyIn(Lane& lane, const ExpertsRequest& request,
+                                       bool with_mask, const ArenaLayout& at, bool pinned,
+                                       Moves moves, HiddenFrom hidden,
+                                       const uint8_t* hidden_mapped) {
   const struct {
     size_t offset;
     const TensorView& view;
@@ -423,7 +477,7 @@ absl::Status CudaExpertBackend::CopyIn(const ExpertsRequest& request, bool with_
                 {at.ids, request.local_ids},
                 {at.weights, request.topk_weights},
                 {at.mask, request.shared_mask}};
-  uint8_t* device = arena_.as<uint8_t>();
+  uint8_t* device = lane.arena.as<uint8_t>();
   if (!pinned) {
     for (const auto& in : inputs) {
       if (&in.view == &request.shared_mask && !with_mask) continue;
@@ -431,7 +485,7 @@ absl::Status CudaExpertBackend::CopyIn(const ExpertsRequest& request, bool with_
       if (absl::Status s = CudaStatus(
               cudaMemcpyAsync(device + in.offset, in.view.data,
                               static_cast<size_t>(in.view.NumBytes()), cudaMemcpyDefault,
-                              stream_),
+                              lane.stream),
               "input copy");
           !s.ok()) {
         return s;
@@ -448,7 +502,7 @@ absl::Status CudaExpertBackend::CopyIn(const ExpertsRequest& request, bool with_
     if (absl::Status s = CudaStatus(
             cudaMemcpyAsync(device + at.hidden, request.hidden_states.data,
                             static_cast<size_t>(request.hidden_states.NumBytes()),
-                            cudaMemcpyDefault, stream_),
+                            cudaMemcpyDefault, lane.stream),
             "input copy");
         !s.ok()) {
       return s;
@@ -456,7 +510,7 @@ absl::Status CudaExpertBackend::CopyIn(const ExpertsRequest& request, bool with_
   } else if (hidden == HiddenFrom::kMapped) {
     if (absl::Status s = CudaStatus(
             cuda::LaunchCopyBytes(hidden_mapped, device + at.hidden,
-                                  static_cast<size_t>(request.hidden_states.NumBytes()), stream_),
+                                  static_cast<size_t>(request.hidden_states.NumBytes()), lane.stream),
             "input copy");
         !s.ok()) {
       return s;
@@ -471,48 +525,48 @@ absl::Status CudaExpertBackend::CopyIn(const ExpertsRequest& request, bool with_
       const size_t lo = std::max(begin, in.offset);
       const size_t hi = std::min(end, in.offset + static_cast<size_t>(in.view.NumBytes()));
       if (lo >= hi) continue;
-      ParallelCopy(*copy_pool_, pinned_ + lo,
+      ParallelCopy(*copy_pool_, copy_pool_mu_, lane.pinned + lo,
                    static_cast<const uint8_t*>(in.view.data) + (lo - in.offset), hi - lo);
     }
     if (moves == Moves::kKernelsWithBatch) continue;  // enqueued with the kernels
     const cudaError_t moved =
         moves == Moves::kKernels
-            ? cuda::LaunchCopyBytes(pinned_device_ + begin, device + begin, end - begin, stream_)
-            : cudaMemcpyAsync(device + begin, pinned_ + begin, end - begin,
-                              cudaMemcpyHostToDevice, stream_);
+            ? cuda::LaunchCopyBytes(lane.pinned_device + begin, device + begin, end - begin, lane.stream)
+            : cudaMemcpyAsync(device + begin, lane.pinned + begin, end - begin,
+                              cudaMemcpyHostToDevice, lane.stream);
     if (absl::Status s = CudaStatus(moved, "input copy"); !s.ok()) return s;
   }
   return absl::OkStatus();
 }
 
-absl::Status CudaExpertBackend::CopyOut(const ExpertsRequest& request, const ArenaLayout& at,
-                                        bool pinned, Moves moves) {
+absl::Status CudaExpertBackend::CopyOut(Lane& lane, const ExpertsRequest& request,
+                                        const ArenaLayout& at, bool pinned, Moves moves) {
   const size_t bytes = static_cast<size_t>(request.out.NumBytes());
-  uint8_t* device = arena_.as<uint8_t>() + at.out;
+  uint8_t* device = lane.arena.as<uint8_t>() + at.out;
   auto* out = static_cast<uint8_t*>(request.out.data);
   RunClock::time_point t = RunClock::now();
   if (!pinned) {
     if (absl::Status s = CudaStatus(
-            cudaMemcpyAsync(out, device, bytes, cudaMemcpyDefault, stream_), "output copy");
+            cudaMemcpyAsync(out, device, bytes, cudaMemcpyDefault, lane.stream), "output copy");
         !s.ok()) {
       return s;
     }
-    t = AddElapsed(t, &counters_.copy_out_submit_ns);
-    const absl::Status synced = CudaStatus(cudaStreamSynchronize(stream_), "expert kernels");
-    AddElapsed(t, &counters_.wait_ns);
+    t = AddElapsed(t, &lane.counters.copy_out_submit_ns);
+    const absl::Status synced = CudaStatus(cudaStreamSynchronize(lane.stream), "expert kernels");
+    AddElapsed(t, &lane.counters.wait_ns);
     return synced;
   }
   // Every piece's device-to-host copy, each followed by its event; the host empties piece i as
   // soon as its event fires, while the later pieces are still in flight.
   const size_t pieces = (bytes + kCopyPieceBytes - 1) / kCopyPieceBytes;
-  while (copy_events_.size() < pieces) {
+  while (lane.copy_events.size() < pieces) {
     cudaEvent_t e = nullptr;
     if (absl::Status s =
             CudaStatus(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "copy event");
         !s.ok()) {
       return s;
     }
-    copy_events_.push_back(e);
+    lane.copy_events.push_back(e);
   }
   for (size_t i = 0; i < pieces; ++i) {
     const size_t begin = i * kCopyPieceBytes, piece = std::min(kCopyPieceBytes, bytes - begin);
@@ -520,26 +574,26 @@ absl::Status CudaExpertBackend::CopyOut(const ExpertsRequest& request, const Are
     const cudaError_t moved =
         moves == Moves::kKernelsWithBatch ? cudaSuccess
         : moves == Moves::kKernels
-            ? cuda::LaunchCopyBytes(device + begin, pinned_device_ + at.out + begin, piece,
-                                    stream_)
-            : cudaMemcpyAsync(pinned_ + at.out + begin, device + begin, piece,
-                              cudaMemcpyDeviceToHost, stream_);
+            ? cuda::LaunchCopyBytes(device + begin, lane.pinned_device + at.out + begin, piece,
+                                    lane.stream)
+            : cudaMemcpyAsync(lane.pinned + at.out + begin, device + begin, piece,
+                              cudaMemcpyDeviceToHost, lane.stream);
     if (absl::Status s = CudaStatus(moved, "output copy"); !s.ok()) return s;
-    if (absl::Status s = CudaStatus(cudaEventRecord(copy_events_[i], stream_), "copy event");
+    if (absl::Status s = CudaStatus(cudaEventRecord(lane.copy_events[i], lane.stream), "copy event");
         !s.ok()) {
       return s;
     }
   }
-  t = AddElapsed(t, &counters_.copy_out_submit_ns);
+  t = AddElapsed(t, &lane.counters.copy_out_submit_ns);
   for (size_t i = 0; i < pieces; ++i) {
-    if (absl::Status s = CudaStatus(cudaEventSynchronize(copy_events_[i]), "expert kernels");
+    if (absl::Status s = CudaStatus(cudaEventSynchronize(lane.copy_events[i]), "expert kernels");
         !s.ok()) {
       return s;
     }
-    t = AddElapsed(t, &counters_.wait_ns);
+    t = AddElapsed(t, &lane.counters.wait_ns);
     const size_t begin = i * kCopyPieceBytes, piece = std::min(kCopyPieceBytes, bytes - begin);
-    ParallelCopy(*copy_pool_, out + begin, pinned_ + at.out + begin, piece);
-    t = AddElapsed(t, &counters_.copy_out_host_ns);
+    ParallelCopy(*copy_pool_, copy_pool_mu_, out + begin, lane.pinned + at.out + begin, piece);
+    t = AddElapsed(t, &lane.counters.copy_out_host_ns);
   }
   return absl::OkStatus();
 }
@@ -548,46 +602,49 @@ absl::Status CudaExpertBackend::CopyOut(const ExpertsRequest& request, const Are
 // before the arena or scratch grew is captured on its next batch (while batch sizes still grow,
 // as after a start, every growth would otherwise reset them all). Shapes whose capture failed
 // get another try.
-void CudaExpertBackend::ClearGraphs() {
-  for (auto& [key, graph] : graphs_) cudaGraphExecDestroy(graph.exec);
-  graphs_.clear();
-  std::erase_if(seen_, [](const auto& entry) { return entry.second < 0; });
+void CudaExpertBackend::ClearGraphs(Lane& lane) {
+  for (auto& [key, graph] : lane.graphs) cudaGraphExecDestroy(graph.exec);
+  lane.graphs.clear();
+  std::erase_if(lane.seen, [](const auto& entry) { return entry.second < 0; });
 }
 
-absl::Status CudaExpertBackend::EnqueueBatch(const cuda::DeviceExpertLayer& layer,
+absl::Status CudaExpertBackend::EnqueueBatch(Lane& lane, const cuda::DeviceExpertLayer& layer,
                                              const cuda::DeviceBatch& batch,
                                              const cuda::RoutePlan& plan,
                                              const BatchMoves* moves) {
   if (moves != nullptr) {
     if (absl::Status s = CudaStatus(
-            cuda::LaunchCopyBytes(moves->in_from, moves->in_to, moves->in_bytes, stream_),
+            cuda::LaunchCopyBytes(moves->in_from, moves->in_to, moves->in_bytes, lane.stream),
             "input copy");
         !s.ok()) {
       return s;
     }
   }
-  if (absl::Status s = runner_.Enqueue(layer, batch, plan, stream_); !s.ok()) return s;
+  if (absl::Status s = lane.runner.Enqueue(layer, batch, plan, lane.stream); !s.ok()) return s;
   if (moves == nullptr || moves->out_bytes == 0) return absl::OkStatus();
   return CudaStatus(
-      cuda::LaunchCopyBytes(moves->out_from, moves->out_to, moves->out_bytes, stream_),
+      cuda::LaunchCopyBytes(moves->out_from, moves->out_to, moves->out_bytes, lane.stream),
       "output copy");
 }
 
-absl::Status CudaExpertBackend::Capture(const cuda::DeviceExpertLayer& layer,
+absl::Status CudaExpertBackend::Capture(Lane& lane, const cuda::DeviceExpertLayer& layer,
                                         const cuda::DeviceBatch& batch,
                                         const cuda::RoutePlan& plan, const BatchMoves* moves,
                                         cudaGraphExec_t* exec) {
+  // Through instantiation (which may allocate device memory itself): no other lane's thread
+  // synchronizes the device meanwhile (capture_mu_).
+  absl::MutexLock capture(&capture_mu_);
   if (absl::Status s = CudaStatus(
-          cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "graph capture");
+          cudaStreamBeginCapture(lane.stream, cudaStreamCaptureModeThreadLocal), "graph capture");
       !s.ok()) {
     return s;
   }
-  runner_.set_programmatic_launch(options_.programmatic_launch &&
+  lane.runner.set_programmatic_launch(options_.programmatic_launch &&
                                   options_.graph_programmatic_launch);
-  const absl::Status enqueued = EnqueueBatch(layer, batch, plan, moves);
-  runner_.set_programmatic_launch(options_.programmatic_launch);
+  const absl::Status enqueued = EnqueueBatch(lane, layer, batch, plan, moves);
+  lane.runner.set_programmatic_launch(options_.programmatic_launch);
   cudaGraph_t graph = nullptr;
-  const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
+  const cudaError_t ended = cudaStreamEndCapture(lane.stream, &graph);
   if (!enqueued.ok() || ended != cudaSuccess || options_.test_fail_graph_capture) {
     if (graph != nullptr) cudaGraphDestroy(graph);
     if (!enqueued.ok()) return enqueued;
@@ -599,90 +656,97 @@ absl::Status CudaExpertBackend::Capture(const cuda::DeviceExpertLayer& layer,
   return CudaStatus(made, "graph instantiate");
 }
 
-absl::Status CudaExpertBackend::EnqueueKernels(const cuda::DeviceExpertLayer& layer,
+absl::Status CudaExpertBackend::EnqueueKernels(Lane& lane, const cuda::DeviceExpertLayer& layer,
                                                const cuda::DeviceBatch& batch,
                                                const cuda::RoutePlan& plan,
                                                const BatchMoves* moves, bool in_place) {
   const bool graphs = Graphed(plan);
   // Graphed shapes round their item grids up, so that routings with nearby item counts share one.
-  runner_.set_round_item_grid(graphs);
+  lane.runner.set_round_item_grid(graphs);
   // Scratch first: allocation is not allowed during capture, and a reallocation invalidates the
   // graphs (they hold the old pointers), as does a new arena or a new layer copy.
-  if (absl::Status s = runner_.Reserve(layer, plan); !s.ok()) return s;
+  if (!lane.runner.Reserved(layer, plan)) {
+    absl::MutexLock capture(&capture_mu_);
+    if (absl::Status s = lane.runner.Reserve(layer, plan, lane.stream); !s.ok()) return s;
+  }
   if (!graphs) {
-    ++counters_.eager_runs;
-    return EnqueueBatch(layer, batch, plan, moves);
+    ++lane.counters.eager_runs;
+    return EnqueueBatch(lane, layer, batch, plan, moves);
   }
   const uint64_t layers = layers_generation_.load();
-  if (graph_arena_ != arena_.get() || graph_pinned_ != pinned_device_ ||
-      graph_scratch_ != runner_.scratch_generation() || graph_layers_ != layers) {
-    if (!graphs_.empty()) ++counters_.graph_invalidations;
-    ClearGraphs();
-    graph_arena_ = arena_.get();
-    graph_pinned_ = pinned_device_;
-    graph_scratch_ = runner_.scratch_generation();
-    graph_layers_ = layers;
+  if (lane.graph_arena != lane.arena.get() || lane.graph_pinned != lane.pinned_device ||
+      lane.graph_scratch != lane.runner.scratch_generation() || lane.graph_layers != layers) {
+    if (!lane.graphs.empty()) {
+      ++lane.counters.graph_invalidations;
+      absl::MutexLock capture(&capture_mu_);
+      ClearGraphs(lane);
+    }
+    lane.graph_arena = lane.arena.get();
+    lane.graph_pinned = lane.pinned_device;
+    lane.graph_scratch = lane.runner.scratch_generation();
+    lane.graph_layers = layers;
   }
   // With its copy kernels, a graph also holds where they copy (the arena layout of the shape);
   // with device tensors used in place, their addresses. (Not the arena's own: it only moves when
   // every graph is dropped, and the sightings must outlive that.)
-  std::string key = runner_.ShapeKey(layer, batch, plan);
+  std::string key = lane.runner.ShapeKey(layer, batch, plan);
   if (in_place) {
     absl::StrAppend(&key, "|at:", reinterpret_cast<uintptr_t>(batch.hidden), ":",
                     reinterpret_cast<uintptr_t>(batch.out));
   }
   if (moves != nullptr) {
-    absl::StrAppend(&key, "|moves:", moves->in_bytes, ":", moves->out_to - pinned_device_, ":",
+    absl::StrAppend(&key, "|moves:", moves->in_bytes, ":", moves->out_to - lane.pinned_device, ":",
                     moves->out_bytes, ":", batch.out == moves->out_to);
   }
-  ++uses_;
-  if (auto it = graphs_.find(key); it != graphs_.end()) {
-    it->second.last_use = uses_;
-    ++counters_.graph_replays;
-    return CudaStatus(cudaGraphLaunch(it->second.exec, stream_), "graph launch");
+  ++lane.uses;
+  if (auto it = lane.graphs.find(key); it != lane.graphs.end()) {
+    it->second.last_use = lane.uses;
+    ++lane.counters.graph_replays;
+    return CudaStatus(cudaGraphLaunch(it->second.exec, lane.stream), "graph launch");
   }
   // A server's batch sizes can take many values: the record of shapes seen once stays bounded.
-  if (seen_.size() >= kMaxSeenShapes) seen_.clear();
-  int& sightings = seen_[key];
+  if (lane.seen.size() >= kMaxSeenShapes) lane.seen.clear();
+  int& sightings = lane.seen[key];
   // First batch of this shape (no capture for one-off shapes), or a shape whose capture failed.
   if (sightings++ <= 0) {
-    ++counters_.eager_runs;
-    return EnqueueBatch(layer, batch, plan, moves);
+    ++lane.counters.eager_runs;
+    return EnqueueBatch(lane, layer, batch, plan, moves);
   }
   // A full cache whose least recently used graph ran within the last kHotGraphUses Runs holds a
   // working set at least as large as itself: evicting for this shape would only start a cycle of
   // captures (each dearer than the eager Run it replaces), so the batch runs eagerly and the
   // kept graphs stay. Shapes get in again once some graph has gone cold.
-  auto victim = graphs_.end();
-  if (graphs_.size() >= static_cast<size_t>(kMaxCudaGraphs)) {
-    victim = graphs_.begin();
-    for (auto it = graphs_.begin(); it != graphs_.end(); ++it) {
+  auto victim = lane.graphs.end();
+  if (lane.graphs.size() >= static_cast<size_t>(kMaxCudaGraphs)) {
+    victim = lane.graphs.begin();
+    for (auto it = lane.graphs.begin(); it != lane.graphs.end(); ++it) {
       if (it->second.last_use < victim->second.last_use) victim = it;
     }
-    if (victim->second.last_use + kHotGraphUses > uses_) {
-      ++counters_.graph_refusals;
-      ++counters_.eager_runs;
-      return EnqueueBatch(layer, batch, plan, moves);
+    if (victim->second.last_use + kHotGraphUses > lane.uses) {
+      ++lane.counters.graph_refusals;
+      ++lane.counters.eager_runs;
+      return EnqueueBatch(lane, layer, batch, plan, moves);
     }
   }
   cudaGraphExec_t exec = nullptr;
-  if (absl::Status s = Capture(layer, batch, plan, moves, &exec); !s.ok()) {
+  if (absl::Status s = Capture(lane, layer, batch, plan, moves, &exec); !s.ok()) {
     // A graph is an optimization: the batch runs eagerly, and this shape always will (until the
     // graphs are dropped). A launch error of the batch itself shows again in the eager run.
     LOG(WARNING) << "cuda backend: no CUDA graph for this batch shape, running it eagerly: " << s;
     cudaGetLastError();  // clears a non-sticky error the capture left
     sightings = kNoGraph;
-    ++counters_.capture_failures;
-    ++counters_.eager_runs;
-    return EnqueueBatch(layer, batch, plan, moves);
+    ++lane.counters.capture_failures;
+    ++lane.counters.eager_runs;
+    return EnqueueBatch(lane, layer, batch, plan, moves);
   }
-  if (victim != graphs_.end()) {
+  if (victim != lane.graphs.end()) {
+    absl::MutexLock capture(&capture_mu_);
     cudaGraphExecDestroy(victim->second.exec);
-    graphs_.erase(victim);
+    lane.graphs.erase(victim);
   }
-  graphs_[key] = Graph{exec, uses_};
-  ++counters_.graph_captures;
-  return CudaStatus(cudaGraphLaunch(exec, stream_), "graph launch");
+  lane.graphs[key] = Graph{exec, lane.uses};
+  ++lane.counters.graph_captures;
+  return CudaStatus(cudaGraphLaunch(exec, lane.stream), "graph launch");
 }
 
 bool CudaExpertBackend::MappedParts(absl::Span<const TensorView> views, uint8_t* device,
@@ -735,7 +799,12 @@ absl::Status CudaExpertBackend::RunImpl(int layer_index, const ExpertLayer& laye
   const cuda::DeviceExpertLayer& d = *(*version)->device;
   const int64_t tokens = request.hidden_states.dim(0);
   if (tokens == 0) return absl::OkStatus();
-  absl::MutexLock lock(&run_mu_);
+  Lane& lane = AcquireLane();
+  if (runs_in_progress_.fetch_add(1) > 0) ++lane.counters.overlapped_runs;
+  const absl::Cleanup release = [this, &lane]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    runs_in_progress_.fetch_sub(1);
+    lane.mu.Unlock();
+  };
   if (absl::Status s = CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice"); !s.ok()) {
     return s;
   }
@@ -745,35 +814,8 @@ absl::Status CudaExpertBackend::RunImpl(int layer_index, const ExpertLayer& laye
       with_mask ? request.shared_mask.As<const uint8_t>() : nullptr,
       static_cast<int>(layer.experts.size()), static_cast<int>(layer.shared_experts.size()));
   const ArenaLayout at = Layout(request, with_mask);
-  if (absl::Status s = arena_.Reserve(at.total); !s.ok()) return s;
   const bool pinned = static_cast<int64_t>(at.total) <= options_.pinned_staging_bytes;
-  if (pinned && pinned_bytes_ < at.total) {
-    if (pinned_ != nullptr) cudaFreeHost(pinned_);
-    pinned_ = nullptr;
-    pinned_device_ = nullptr;
-    pinned_bytes_ = 0;
-    // Grown in powers of two (from 1 MB) up to the limit, so it is reallocated rarely.
-    size_t bytes = size_t{1} << 20;
-    while (bytes < at.total) bytes *= 2;
-    bytes = std::min(bytes, static_cast<size_t>(options_.pinned_staging_bytes));
-    // Mapped where the device can map host memory, so that the copy kernels can address it;
-    // elsewhere the copy engine moves it, as it does larger batches.
-    if (absl::Status s = CudaStatus(
-            cudaHostAlloc(reinterpret_cast<void**>(&pinned_), bytes,
-                          can_map_host_ ? cudaHostAllocMapped : cudaHostAllocDefault),
-            "pinned staging buffer");
-        !s.ok()) {
-      pinned_ = nullptr;
-      return s;
-    }
-    pinned_bytes_ = bytes;
-    void* mapped = nullptr;
-    if (can_map_host_ && cudaHostGetDevicePointer(&mapped, pinned_, 0) == cudaSuccess) {
-      pinned_device_ = static_cast<uint8_t*>(mapped);
-    } else {
-      cudaGetLastError();  // clears a non-sticky error
-    }
-  }
+  if (absl::Status s = GrowBuffers(lane, at.total, pinned); !s.ok()) return s;
   // Device tensors (ExpertsRequest::hidden_on_device, out_on_device) in this device's memory at
   // 256-byte aligned addresses, as the arena's, are read and written in place by the kernels: no
   // copy at all (a graph then holds their addresses, EnqueueKernels). Others (another GPU's
@@ -795,7 +837,7 @@ absl::Status CudaExpertBackend::RunImpl(int layer_index, const ExpertLayer& laye
   const bool device_copies = (request.hidden_on_device && !hidden_in_place) ||
                              (request.out_on_device && !out_in_place);
   Moves moves = Moves::kCopyEngine;
-  if (pinned && pinned_device_ != nullptr &&
+  if (pinned && lane.pinned_device != nullptr &&
       static_cast<int64_t>(at.total) <= options_.kernel_copy_max_bytes) {
     moves = Graphed(plan) && !device_copies && at.in_bytes <= kCopyPieceBytes &&
                     static_cast<size_t>(request.out.NumBytes()) <= kCopyPieceBytes
@@ -818,8 +860,8 @@ absl::Status CudaExpertBackend::RunImpl(int layer_index, const ExpertLayer& laye
   std::vector<cuda::CopyPart> gather, scatter;
   if (parts != nullptr &&
       (moves != Moves::kKernels || !options_.registered_kernel_copies ||
-       !MappedParts(parts->hidden, arena_.as<uint8_t>() + at.hidden, /*gather=*/true, &gather) ||
-       !MappedParts(parts->out, arena_.as<uint8_t>() + at.out, /*gather=*/false, &scatter))) {
+       !MappedParts(parts->hidden, lane.arena.as<uint8_t>() + at.hidden, /*gather=*/true, &gather) ||
+       !MappedParts(parts->out, lane.arena.as<uint8_t>() + at.out, /*gather=*/false, &scatter))) {
     return absl::UnimplementedError(
         "cuda backend: these row parts are not all registered, mapped and aligned, or the batch "
         "is not moved by copy kernels");
@@ -849,21 +891,21 @@ absl::Status CudaExpertBackend::RunImpl(int layer_index, const ExpertLayer& laye
                                  : hidden_direct             ? HiddenFrom::kCopied
                                  : hidden_mapped != nullptr  ? HiddenFrom::kMapped
                                                              : HiddenFrom::kStaged;
-  t = AddElapsed(t, &counters_.prepare_ns);
-  if (absl::Status s = CopyIn(request, with_mask, at, pinned, moves, hidden_from, hidden_mapped);
+  t = AddElapsed(t, &lane.counters.prepare_ns);
+  if (absl::Status s = CopyIn(lane, request, with_mask, at, pinned, moves, hidden_from, hidden_mapped);
       !s.ok()) {
     return s;
   }
   if (hidden_from == HiddenFrom::kGathered) {
     if (absl::Status s = CudaStatus(
-            cuda::LaunchCopyParts(gather.data(), static_cast<int>(gather.size()), stream_),
+            cuda::LaunchCopyParts(gather.data(), static_cast<int>(gather.size()), lane.stream),
             "input copy");
         !s.ok()) {
       return s;
     }
   }
-  t = AddElapsed(t, &counters_.copy_in_ns);
-  uint8_t* device = arena_.as<uint8_t>();
+  t = AddElapsed(t, &lane.counters.copy_in_ns);
+  uint8_t* device = lane.arena.as<uint8_t>();
   cuda::DeviceBatch batch;
   batch.hidden = hidden_in_place ? request.hidden_states.data : device + at.hidden;
   batch.hidden_bf16 = request.hidden_states.dtype == DType::kBF16;
@@ -876,27 +918,27 @@ absl::Status CudaExpertBackend::RunImpl(int layer_index, const ExpertLayer& laye
   if (moves == Moves::kKernelsWithBatch) {
     // Every kernel only writes the output (prologue zeros, fold or combine), once per element.
     const bool direct = options_.pinned_direct_output && !out_in_place;
-    if (direct) batch.out = pinned_device_ + at.out;
+    if (direct) batch.out = lane.pinned_device + at.out;
     const size_t first = hidden_in_place ? at.ids : 0;  // what CopyIn put in the pinned buffer
-    batch_moves = {pinned_device_ + first,
+    batch_moves = {lane.pinned_device + first,
                    device + first,
                    at.in_bytes - first,
                    device + at.out,
-                   pinned_device_ + at.out,
+                   lane.pinned_device + at.out,
                    direct || out_in_place ? 0 : static_cast<size_t>(request.out.NumBytes())};
   }
   if (absl::Status s =
-          EnqueueKernels(d, batch, plan, moves == Moves::kKernelsWithBatch ? &batch_moves : nullptr,
+          EnqueueKernels(lane, d, batch, plan, moves == Moves::kKernelsWithBatch ? &batch_moves : nullptr,
                          hidden_in_place || out_in_place);
       !s.ok()) {
     return s;
   }
-  AddElapsed(t, &counters_.enqueue_ns);
+  AddElapsed(t, &lane.counters.enqueue_ns);
   if (out_in_place) {
     // The kernels wrote it: only the wait.
     t = RunClock::now();
-    const absl::Status synced = CudaStatus(cudaStreamSynchronize(stream_), "expert kernels");
-    AddElapsed(t, &counters_.wait_ns);
+    const absl::Status synced = CudaStatus(cudaStreamSynchronize(lane.stream), "expert kernels");
+    AddElapsed(t, &lane.counters.wait_ns);
     if (!synced.ok()) return synced;
   } else if (out_mapped != nullptr || parts != nullptr) {
     // A copy kernel writes it (each part of it) through the device's mapping: only the wait
@@ -904,29 +946,98 @@ absl::Status CudaExpertBackend::RunImpl(int layer_index, const ExpertLayer& laye
     t = RunClock::now();
     const cudaError_t moved =
         parts != nullptr
-            ? cuda::LaunchCopyParts(scatter.data(), static_cast<int>(scatter.size()), stream_)
+            ? cuda::LaunchCopyParts(scatter.data(), static_cast<int>(scatter.size()), lane.stream)
             : cuda::LaunchCopyBytes(device + at.out, out_mapped,
-                                    static_cast<size_t>(request.out.NumBytes()), stream_);
+                                    static_cast<size_t>(request.out.NumBytes()), lane.stream);
     if (absl::Status s = CudaStatus(moved, "output copy"); !s.ok()) return s;
-    t = AddElapsed(t, &counters_.copy_out_submit_ns);
-    const absl::Status synced = CudaStatus(cudaStreamSynchronize(stream_), "expert kernels");
-    AddElapsed(t, &counters_.wait_ns);
+    t = AddElapsed(t, &lane.counters.copy_out_submit_ns);
+    const absl::Status synced = CudaStatus(cudaStreamSynchronize(lane.stream), "expert kernels");
+    AddElapsed(t, &lane.counters.wait_ns);
     if (!synced.ok()) return synced;
-  } else if (absl::Status s = CopyOut(request, at, pinned && !out_direct, moves); !s.ok()) {
+  } else if (absl::Status s = CopyOut(lane, request, at, pinned && !out_direct, moves); !s.ok()) {
     // A registered or device output: one copy into it (CopyOut's unstaged form).
     return s;
   }
-  if (pinned) ++counters_.pinned_runs;
-  if (moves != Moves::kCopyEngine) ++counters_.kernel_copy_runs;
+  if (pinned) ++lane.counters.pinned_runs;
+  if (moves != Moves::kCopyEngine) ++lane.counters.kernel_copy_runs;
   const bool any_mapped = hidden_mapped != nullptr || out_mapped != nullptr || parts != nullptr;
-  if (parts != nullptr) ++counters_.parts_runs;
+  if (parts != nullptr) ++lane.counters.parts_runs;
   if (hidden_direct || out_direct || hidden_in_place || out_in_place || any_mapped) {
-    ++counters_.direct_runs;
+    ++lane.counters.direct_runs;
   }
-  if (any_mapped) ++counters_.mapped_runs;
-  if (on_device) ++counters_.device_tensor_runs;
-  if (hidden_in_place || out_in_place) ++counters_.in_place_runs;
+  if (any_mapped) ++lane.counters.mapped_runs;
+  if (on_device) ++lane.counters.device_tensor_runs;
+  if (hidden_in_place || out_in_place) ++lane.counters.in_place_runs;
   return absl::OkStatus();
+}
+
+absl::Status CudaExpertBackend::GrowBuffers(Lane& lane, size_t bytes_needed, bool pinned) {
+  if (lane.arena.get() != nullptr && lane.arena.size() >= bytes_needed &&
+      (!pinned || lane.pinned_bytes >= bytes_needed)) {
+    return absl::OkStatus();
+  }
+  absl::MutexLock capture(&capture_mu_);
+  if (absl::Status s = lane.arena.Reserve(bytes_needed); !s.ok()) return s;
+  if (pinned && lane.pinned_bytes < bytes_needed) {
+    if (lane.pinned != nullptr) cudaFreeHost(lane.pinned);
+    lane.pinned = nullptr;
+    lane.pinned_device = nullptr;
+    lane.pinned_bytes = 0;
+    // Grown in powers of two (from 1 MB) up to the limit, so it is reallocated rarely.
+    size_t bytes = size_t{1} << 20;
+    while (bytes < bytes_needed) bytes *= 2;
+    bytes = std::min(bytes, static_cast<size_t>(options_.pinned_staging_bytes));
+    // Mapped where the device can map host memory, so that the copy kernels can address it;
+    // elsewhere the copy engine moves it, as it does larger batches.
+    if (absl::Status s = CudaStatus(
+            cudaHostAlloc(reinterpret_cast<void**>(&lane.pinned), bytes,
+                          can_map_host_ ? cudaHostAllocMapped : cudaHostAllocDefault),
+            "pinned staging buffer");
+        !s.ok()) {
+      lane.pinned = nullptr;
+      return s;
+    }
+    lane.pinned_bytes = bytes;
+    void* mapped = nullptr;
+    if (can_map_host_ && cudaHostGetDevicePointer(&mapped, lane.pinned, 0) == cudaSuccess) {
+      lane.pinned_device = static_cast<uint8_t*>(mapped);
+    } else {
+      cudaGetLastError();  // clears a non-sticky error
+    }
+  }
+  return absl::OkStatus();
+}
+
+CudaExpertBackend::Lane& CudaExpertBackend::AcquireLane() {
+  for (const std::unique_ptr<Lane>& lane : lanes_) {
+    if (lane->mu.TryLock()) return *lane;
+  }
+  Lane& lane = *lanes_[next_lane_.fetch_add(1, std::memory_order_relaxed) % lanes_.size()];
+  lane.mu.Lock();
+  return lane;
+}
+
+void CudaExpertBackend::Add(const CudaBackendCounters& a, CudaBackendCounters& sum) {
+  sum.eager_runs += a.eager_runs;
+  sum.graph_captures += a.graph_captures;
+  sum.graph_replays += a.graph_replays;
+  sum.pinned_runs += a.pinned_runs;
+  sum.kernel_copy_runs += a.kernel_copy_runs;
+  sum.capture_failures += a.capture_failures;
+  sum.graph_refusals += a.graph_refusals;
+  sum.graph_invalidations += a.graph_invalidations;
+  sum.direct_runs += a.direct_runs;
+  sum.mapped_runs += a.mapped_runs;
+  sum.parts_runs += a.parts_runs;
+  sum.device_tensor_runs += a.device_tensor_runs;
+  sum.in_place_runs += a.in_place_runs;
+  sum.overlapped_runs += a.overlapped_runs;
+  sum.prepare_ns += a.prepare_ns;
+  sum.copy_in_ns += a.copy_in_ns;
+  sum.enqueue_ns += a.enqueue_ns;
+  sum.copy_out_submit_ns += a.copy_out_submit_ns;
+  sum.wait_ns += a.wait_ns;
+  sum.copy_out_host_ns += a.copy_out_host_ns;
 }
 
 absl::Status CudaExpertBackend::RegisterHostMemory(void* data, size_t bytes) {
@@ -945,21 +1056,25 @@ absl::Status CudaExpertBackend::RegisterHostMemory(void* data, size_t bytes) {
   if (absl::Status s = CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice"); !s.ok()) {
     return s;
   }
-  // Pinning a large range takes a while: outside the locks, so Runs go on meanwhile.
+  // Pinning a large range takes a while: outside the lanes and registered_mu_, so Runs go on
+  // meanwhile (only under capture_mu_, so no lane captures a graph meanwhile).
   // Mapped too where the device can map host memory, so that copy kernels can read and write it
   // (registered_kernel_copies).
   const unsigned flags = cudaHostRegisterPortable | (can_map_host_ ? cudaHostRegisterMapped : 0u);
-  if (absl::Status s = CudaStatus(cudaHostRegister(data, bytes, flags), "cudaHostRegister");
-      !s.ok()) {
-    cudaGetLastError();  // clears a non-sticky error (e.g. already registered)
-    return s;
-  }
   Registered range{bytes, nullptr};
-  void* mapped = nullptr;
-  if (can_map_host_ && cudaHostGetDevicePointer(&mapped, data, 0) == cudaSuccess) {
-    range.device = static_cast<uint8_t*>(mapped);
-  } else {
-    cudaGetLastError();  // clears a non-sticky error: the range is only pinned
+  {
+    absl::MutexLock capture(&capture_mu_);
+    if (absl::Status s = CudaStatus(cudaHostRegister(data, bytes, flags), "cudaHostRegister");
+        !s.ok()) {
+      cudaGetLastError();  // clears a non-sticky error (e.g. already registered)
+      return s;
+    }
+    void* mapped = nullptr;
+    if (can_map_host_ && cudaHostGetDevicePointer(&mapped, data, 0) == cudaSuccess) {
+      range.device = static_cast<uint8_t*>(mapped);
+    } else {
+      cudaGetLastError();  // clears a non-sticky error: the range is only pinned
+    }
   }
   absl::MutexLock lock(&registered_mu_);
   registered_[reinterpret_cast<uintptr_t>(data)] = range;
@@ -968,9 +1083,12 @@ absl::Status CudaExpertBackend::RegisterHostMemory(void* data, size_t bytes) {
 }
 
 void CudaExpertBackend::UnregisterHostMemory(void* data) {
-  // run_mu_ first: a Run in progress may be reading or writing the range; later ones no longer
-  // find it.
-  absl::MutexLock run(&run_mu_);
+  // Every lane first (in order; a Run holds one): a Run in progress may be reading or writing the
+  // range; later ones no longer find it.
+  std::vector<std::unique_ptr<absl::MutexLock>> runs;
+  for (const std::unique_ptr<Lane>& lane : lanes_) {
+    runs.push_back(std::make_unique<absl::MutexLock>(&lane->mu));
+  }
   {
     absl::MutexLock lock(&registered_mu_);
     auto it = registered_.find(reinterpret_cast<uintptr_t>(data));
@@ -979,6 +1097,7 @@ void CudaExpertBackend::UnregisterHostMemory(void* data) {
     registered_.erase(it);
   }
   cudaSetDevice(options_.device);
+  absl::MutexLock capture(&capture_mu_);
   if (cudaHostUnregister(data) != cudaSuccess) cudaGetLastError();
 }
 
@@ -1021,6 +1140,11 @@ absl::StatusOr<std::unique_ptr<ExpertBackend>> MakeCudaExpertBackend(
                                                      " is not -1 (default), 0 (off) or 1 (on)"));
     }
   }
+  if (options.concurrent_runs < 1 || options.concurrent_runs > kMaxConcurrentCudaRuns) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda backend: concurrent_runs ",
+                                                   options.concurrent_runs, " is not in 1..",
+                                                   kMaxConcurrentCudaRuns));
+  }
   std::string why;
   const int count = cuda::DeviceCount(&why);
   if (count == 0) return absl::FailedPreconditionError(absl::StrCat("--backend=cuda: ", why));
@@ -1032,13 +1156,18 @@ absl::StatusOr<std::unique_ptr<ExpertBackend>> MakeCudaExpertBackend(
   if (absl::Status s = CudaStatus(cudaSetDevice(options.device), "cudaSetDevice"); !s.ok()) {
     return s;
   }
-  cudaStream_t stream = nullptr;
-  if (absl::Status s = CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
-                                  "cudaStreamCreate");
-      !s.ok()) {
-    return s;
+  std::vector<cudaStream_t> streams;
+  for (int i = 0; i < options.concurrent_runs; ++i) {
+    cudaStream_t stream = nullptr;
+    if (absl::Status s = CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+                                    "cudaStreamCreate");
+        !s.ok()) {
+      for (cudaStream_t made : streams) cudaStreamDestroy(made);
+      return s;
+    }
+    streams.push_back(stream);
   }
-  return std::make_unique<CudaExpertBackend>(options, stream);
+  return std::make_unique<CudaExpertBackend>(options, streams);
 }
 
 }  // namespace moe

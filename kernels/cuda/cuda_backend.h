@@ -7,8 +7,9 @@
 // takes a merged batch's rows where they lie in registered memory (copy kernels gather and scatter
 // them). Results are bitwise repeatable run to run, graph or not.
 //
-// Called by CreateBackend("cuda") and tests. Thread-safety and ownership as ExpertBackend: one
-// thread at a time per instance; device copies of the layers are owned by the instance.
+// Called by CreateBackend("cuda") and tests. Thread-safety and ownership as ExpertBackend: Run and
+// RunParts from up to CudaBackendOptions::concurrent_runs threads at once (more wait for a lane);
+// device copies of the layers are owned by the instance.
 // No CUDA headers here, so the factory can be linked into CPU-only builds (where it reports
 // FAILED_PRECONDITION "built without CUDA").
 #ifndef MOE_KERNELS_CUDA_CUDA_BACKEND_H_
@@ -109,13 +110,21 @@ struct CudaBackendOptions {
   // the copy kernels read (write) that memory themselves, mapped into the device's address space,
   // so the host copy into (out of) the pinned buffer is skipped. false: those stay staged.
   bool registered_kernel_copies = true;
+  // Runs that may overlap (1..kMaxConcurrentCudaRuns): each of that many lanes has its own
+  // stream, device arena, pinned buffer, scratch and graphs, and the layers' device copies are
+  // shared. With two, one batch's host work (checks, route plan, copies in, launches) and its wait
+  // for the output overlap another batch's kernels; a shard's executor runs that many batches at
+  // once (ExpertBackend::MaxConcurrentRuns). 1: one Run at a time, as before.
+  int concurrent_runs = 2;
   // Tests only: every graph capture fails, as a failed instantiation would (the batch then runs
   // eagerly, and so does its shape from then on).
   bool test_fail_graph_capture = false;
 };
 
-// Graphs a CUDA backend keeps (CudaBackendOptions::graph_max_tokens).
+// Graphs a CUDA backend keeps per lane (CudaBackendOptions::graph_max_tokens).
 inline constexpr int kMaxCudaGraphs = 64;
+// The most lanes a CUDA backend takes (CudaBackendOptions::concurrent_runs).
+inline constexpr int kMaxConcurrentCudaRuns = 8;
 
 // How a CUDA backend ran its batches so far (tests and benchmarks): kernels launched one by one,
 // graphs captured (each also runs its batch) and graph replays.
@@ -146,6 +155,8 @@ struct CudaBackendCounters {
   // one of them in place (256-byte aligned: no copy).
   int64_t device_tensor_runs = 0;
   int64_t in_place_runs = 0;
+  // Runs that took their lane while another Run held one (CudaBackendOptions::concurrent_runs).
+  int64_t overlapped_runs = 0;
   // Fused layer kernels enqueued (eager runs and captures; replays launch what they captured).
   int64_t fused_layer_launches = 0;
   // GEMM2 launches that waited per item (ExpertGemmParams::item_ready; eager runs and captures).

@@ -21,6 +21,8 @@ TEST(CudaBackendOptionsTest, RefusesSettingsOutOfRange) {
       {"fused_layer", [](CudaBackendOptions& o) { o.fused_layer = -2; }},
       {"item_ready", [](CudaBackendOptions& o) { o.item_ready = 2; }},
       {"item_ready", [](CudaBackendOptions& o) { o.item_ready = -7; }},
+      {"concurrent_runs", [](CudaBackendOptions& o) { o.concurrent_runs = 0; }},
+      {"concurrent_runs", [](CudaBackendOptions& o) { o.concurrent_runs = 9; }},
   };
   for (const Case& c : cases) {
     CudaBackendOptions options;

@@ -4,16 +4,18 @@
 // copy; weights never prepared are refused; requests from several threads while a new version is
 // uploaded all match. Needs a GPU (tag "gpu"): skipped without one.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <tuple>
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/random_layer.h"
 #include "kernels/cuda/cuda_backend.h"
@@ -747,6 +749,157 @@ TEST(CudaBackendVersionsTest, TwoBackendsRunFusedLayersAtOnce) {
     EXPECT_LE(worst[i], 1e-2) << "backend " << i;
     EXPECT_EQ(GetCudaBackendCounters(*backends[i]).fused_layer_launches, kRuns);
   }
+}
+
+// Runs from several threads on one backend's lanes (concurrent_runs 3) give bitwise the outputs
+// of the same batches run one at a time on a one-lane backend: graphed shapes (captured on one
+// lane while others launch eagerly), eager and pinned ones, several copy paths, F32 and BF16; and
+// the lanes did overlap (overlapped_runs).
+TEST(CudaBackendVersionsTest, ConcurrentRunsMatchSerialRuns) {
+  const std::unique_ptr<OwnedLayer> layer = Layer(88);
+  std::unique_ptr<ExpertBackend> serial, lanes;
+  for (int runs : {1, 3}) {
+    CudaBackendOptions options;
+    options.concurrent_runs = runs;
+    options.poison_scratch = true;
+    absl::StatusOr<std::unique_ptr<ExpertBackend>> made = MakeCudaExpertBackend(options);
+    if (!made.ok()) GTEST_SKIP() << made.status();
+    ASSERT_EQ((*made)->MaxConcurrentRuns(), runs);
+    ASSERT_TRUE((*made)->PrepareLayer(0, layer->layer).ok());
+    (runs == 1 ? serial : lanes) = *std::move(made);
+  }
+  // Batch shapes: graphed (1-8 tokens), grouped eager ones, the tiled and wgmma kernels (64),
+  // a batch past the copy kernels' limit (3000 tokens x 256 x 4 bytes x 2 > 4 MB).
+  std::vector<cpu::RandomRequestSpec> specs;
+  uint64_t seed = 500;
+  for (int64_t tokens : {1, 2, 7, 8, 19, 64, 333, 3000}) {
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      cpu::RandomRequestSpec spec;
+      spec.tokens = tokens;
+      spec.top_k = 4;
+      spec.in_dtype = spec.out_dtype = dtype;
+      spec.seed = seed++;
+      specs.push_back(spec);
+    }
+  }
+  std::vector<OwnedRequest> want;
+  for (const cpu::RandomRequestSpec& spec : specs) want.push_back(RunPlain(*serial, *layer, spec));
+  constexpr int kThreads = 4, kRounds = 6;
+  std::vector<std::string> mismatches(kThreads);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kThreads; ++i) {
+    threads.emplace_back([&, i] {
+      for (int round = 0; round < kRounds; ++round) {
+        for (size_t k = 0; k < specs.size(); ++k) {
+          // Each thread in its own order, so that different shapes overlap.
+          const size_t j = (k * (2 * i + 1) + static_cast<size_t>(round + i)) % specs.size();
+          OwnedRequest got = want[j];  // the same inputs
+          got.Poison();
+          const absl::Status st = lanes->Run(0, layer->layer, got.Request());
+          const ExpertsRequest r = got.Request();
+          if (!st.ok() ||
+              std::memcmp(r.out.data, want[j].Request().out.data,
+                          static_cast<size_t>(r.out.NumBytes())) != 0) {
+            mismatches[i] = absl::StrCat("T=", specs[j].tokens, " ",
+                                         specs[j].in_dtype == DType::kBF16 ? "BF16" : "F32",
+                                         " round ", round, ": ", st.ToString());
+            return;
+          }
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i < kThreads; ++i) EXPECT_EQ(mismatches[i], "") << "thread " << i;
+  const CudaBackendCounters c = GetCudaBackendCounters(*lanes);
+  EXPECT_GT(c.overlapped_runs, 0);
+  EXPECT_GT(c.graph_replays, 0);
+  EXPECT_EQ(c.capture_failures, 0);
+  std::printf("concurrent runs: %lld of %d overlapped another, %lld graph captures, %lld replays\n",
+              static_cast<long long>(c.overlapped_runs), kThreads * kRounds *
+              static_cast<int>(specs.size()), static_cast<long long>(c.graph_captures),
+              static_cast<long long>(c.graph_replays));
+}
+
+// Lanes warming up together: while one lane captures a graph, others grow their scratch, arena
+// and pinned buffer (device and pinned allocation, zeroing) and a thread pins and unpins host
+// memory. Before CudaExpertBackend::capture_mu_ this crashed the process (SIGSEGV in
+// cuCtxSynchronize, from the scratch zeroing's device-wide synchronization) or failed Runs
+// ("operation not permitted when stream is capturing"): about one rpc_bench run in five at 16
+// clients on the H200. A fresh backend per round, so every round starts cold; the outputs are
+// bitwise those of a one-lane backend.
+TEST(CudaBackendVersionsTest, LanesWarmingUpTogether) {
+  const std::unique_ptr<OwnedLayer> layer = Layer(89);
+  const auto make = [&](int runs) -> std::unique_ptr<ExpertBackend> {
+    CudaBackendOptions options;
+    options.concurrent_runs = runs;
+    options.graph_max_tokens = 256;
+    absl::StatusOr<std::unique_ptr<ExpertBackend>> made = MakeCudaExpertBackend(options);
+    if (!made.ok() || !(*made)->PrepareLayer(0, layer->layer).ok()) return nullptr;
+    return *std::move(made);
+  };
+  const std::unique_ptr<ExpertBackend> serial = make(1);
+  if (serial == nullptr) GTEST_SKIP() << "no CUDA device";
+  std::vector<cpu::RandomRequestSpec> specs;
+  for (int64_t tokens : {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256}) {
+    cpu::RandomRequestSpec spec;
+    spec.tokens = tokens;
+    spec.top_k = 4;
+    spec.in_dtype = spec.out_dtype = DType::kBF16;
+    spec.seed = 900 + static_cast<uint64_t>(tokens);
+    specs.push_back(spec);
+  }
+  std::vector<OwnedRequest> want;
+  for (const cpu::RandomRequestSpec& spec : specs) want.push_back(RunPlain(*serial, *layer, spec));
+  constexpr int kRounds = 6, kThreads = 4;
+  int64_t captures = 0, overlapped = 0;
+  for (int round = 0; round < kRounds; ++round) {
+    const std::unique_ptr<ExpertBackend> lanes = make(kThreads);
+    ASSERT_NE(lanes, nullptr);
+    std::vector<std::string> mismatches(kThreads);
+    std::atomic<bool> done{false};
+    std::vector<std::thread> threads;
+    for (int i = 0; i < kThreads; ++i) {
+      threads.emplace_back([&, i] {
+        // Growing shapes, each twice in a row (a lane captures a shape on its second batch),
+        // every thread from its own starting point.
+        for (size_t k = 0; k < 2 * specs.size(); ++k) {
+          const size_t j = (k / 2 + static_cast<size_t>(i) * 3) % specs.size();
+          OwnedRequest got = want[j];
+          got.Poison();
+          const absl::Status st = lanes->Run(0, layer->layer, got.Request());
+          const ExpertsRequest r = got.Request();
+          if (!st.ok() || std::memcmp(r.out.data, want[j].Request().out.data,
+                                      static_cast<size_t>(r.out.NumBytes())) != 0) {
+            mismatches[i] = absl::StrCat("T=", specs[j].tokens, ": ", st.ToString());
+            return;
+          }
+        }
+      });
+    }
+    std::thread pinner([&] {
+      std::vector<char> host(size_t{1} << 20);
+      while (!done.load()) {
+        if (lanes->RegisterHostMemory(host.data(), host.size()).ok()) {
+          lanes->UnregisterHostMemory(host.data());
+        }
+      }
+    });
+    for (std::thread& t : threads) t.join();
+    done = true;
+    pinner.join();
+    for (int i = 0; i < kThreads; ++i) {
+      EXPECT_EQ(mismatches[i], "") << "round " << round << " thread " << i;
+    }
+    const CudaBackendCounters c = GetCudaBackendCounters(*lanes);
+    EXPECT_EQ(c.capture_failures, 0) << "round " << round;
+    captures += c.graph_captures;
+    overlapped += c.overlapped_runs;
+  }
+  EXPECT_GT(captures, 0);
+  EXPECT_GT(overlapped, 0);
+  std::printf("lanes warming up: %lld captures, %lld overlapped runs in %d rounds\n",
+              static_cast<long long>(captures), static_cast<long long>(overlapped), kRounds);
 }
 
 // GEMM2 waiting per item (ExpertGemmParams::item_ready, forced on) gives the same bits as GEMM2

@@ -209,65 +209,87 @@ absl::StatusOr<std::unique_ptr<DeviceExpertLayer>> UploadExpertLayer(const Exper
 
 namespace {
 
-// Grows `buf` to `bytes` when it is smaller (or unallocated) and zeroes the new allocation; the
-// kernels keep what they use of it at zero from then on.
-absl::Status ReserveZeroed(DeviceBuffer& buf, size_t bytes, const char* what) {
+// Grows `buf` to `bytes` when it is smaller (or unallocated) and zeroes the new allocation on
+// `stream` (stream-ordered: no device-wide synchronization, which a CUDA graph capture on another
+// thread's stream does not survive); the kernels keep what they use of it at zero from then on.
+absl::Status ReserveZeroed(DeviceBuffer& buf, size_t bytes, cudaStream_t stream, const char* what) {
   if (buf.size() >= bytes && buf.get() != nullptr) return absl::OkStatus();
   if (absl::Status s = buf.Reserve(bytes); !s.ok()) return s;
-  if (absl::Status s = CudaStatus(cudaMemset(buf.get(), 0, buf.size()), what); !s.ok()) return s;
-  // cudaMemset runs on the legacy stream; the runner's stream may not wait for it.
-  return CudaStatus(cudaDeviceSynchronize(), what);
+  return CudaStatus(cudaMemsetAsync(buf.get(), 0, buf.size(), stream), what);
 }
 
 }  // namespace
 
-absl::Status ExpertRunner::Reserve(const DeviceExpertLayer& layer, const RoutePlan& plan) {
+ExpertRunner::ScratchSizes ExpertRunner::Sizes(const DeviceExpertLayer& layer,
+                                               const RoutePlan& plan) const {
   const size_t routes = static_cast<size_t>(std::max<int64_t>(plan.slotted_routes, 1));
-  const struct {
-    DeviceBuffer& buf;
-    size_t bytes;
-  } wants[] = {
-      {x_staged_, static_cast<size_t>(plan.tokens * layer.hidden_chunks * 64 * 2)},
-      {slot_token_, routes * 4},
-      {slot_route_, routes * 4},
-      {items_, static_cast<size_t>(std::max<int64_t>(
-                   round_item_grid_ ? RoundedItemGrid(plan.num_items) : plan.num_items, 1)) *
-                   sizeof(ExpertItem)},
-      {wg_items_, static_cast<size_t>(std::max<int64_t>(plan.num_items, 1)) * sizeof(ExpertItem)},
-      {wg_sched_, kWgSchedWords * sizeof(int32_t)},
-      {num_items_, 4},
-      // Direct routes use one act row per y row.
-      {act_, std::max<size_t>(routes, static_cast<size_t>(std::max<int64_t>(plan.y_rows, 1))) *
-                 static_cast<size_t>(layer.inter_padded) * 2},
-      {y_, static_cast<size_t>(std::max<int64_t>(plan.y_rows, 1) * layer.hidden) * 4},
-      {ready_, kMaxLayerRoutes * sizeof(int32_t)},
+  ScratchSizes z;
+  z.plain = {
+      static_cast<size_t>(plan.tokens * layer.hidden_chunks * 64 * 2),  // x_staged_
+      routes * 4,                                                       // slot_token_
+      routes * 4,                                                       // slot_route_
+      static_cast<size_t>(std::max<int64_t>(
+          round_item_grid_ ? RoundedItemGrid(plan.num_items) : plan.num_items, 1)) *
+          sizeof(ExpertItem),                                                        // items_
+      static_cast<size_t>(std::max<int64_t>(plan.num_items, 1)) * sizeof(ExpertItem),  // wg_items_
+      kWgSchedWords * sizeof(int32_t),                                               // wg_sched_
+      4,                                                                             // num_items_
+      // act_: direct routes use one act row per y row.
+      std::max<size_t>(routes, static_cast<size_t>(std::max<int64_t>(plan.y_rows, 1))) *
+          static_cast<size_t>(layer.inter_padded) * 2,
+      static_cast<size_t>(std::max<int64_t>(plan.y_rows, 1) * layer.hidden) * 4,  // y_
+      kMaxLayerRoutes * sizeof(int32_t),                                         // ready_
   };
-  for (const auto& w : wants) {
-    const void* before = w.buf.get();
-    if (absl::Status s = w.buf.Reserve(w.bytes); !s.ok()) return s;
-    if (w.buf.get() != before) ++scratch_generation_;
+  z.group_scratch = GroupScratchWords(layer.num_experts + layer.num_shared) * 4;
+  z.item_ready = static_cast<size_t>(kItemReadyStride) *
+                 static_cast<size_t>(std::max<int64_t>(
+                     {RoundedItemGrid(plan.num_items), plan.num_items, plan.y_rows, 1})) *
+                 4;
+  z.fold_counters = static_cast<size_t>(plan.tokens) *
+                    static_cast<size_t>((layer.hidden + kFoldRowsPerBlock - 1) / kFoldRowsPerBlock) *
+                    4;
+  return z;
+}
+
+bool ExpertRunner::Reserved(const DeviceExpertLayer& layer, const RoutePlan& plan) const {
+  const ScratchSizes z = Sizes(layer, plan);
+  const auto plain = PlainScratch(*this);
+  for (size_t i = 0; i < plain.size(); ++i) {
+    if (plain[i]->get() == nullptr || plain[i]->size() < z.plain[i]) return false;
   }
-  const size_t group_words = GroupScratchWords(layer.num_experts + layer.num_shared);
+  const auto big_enough = [](const DeviceBuffer& b, size_t bytes) {
+    return b.get() != nullptr && b.size() >= bytes;
+  };
+  return big_enough(group_scratch_, z.group_scratch) && big_enough(item_ready_, z.item_ready) &&
+         big_enough(fold_counters_, z.fold_counters);
+}
+
+absl::Status ExpertRunner::Reserve(const DeviceExpertLayer& layer, const RoutePlan& plan,
+                                   cudaStream_t stream) {
+  const ScratchSizes z = Sizes(layer, plan);
+  const auto plain = PlainScratch(*this);
+  for (size_t i = 0; i < plain.size(); ++i) {
+    const void* before = plain[i]->get();
+    if (absl::Status s = plain[i]->Reserve(z.plain[i]); !s.ok()) return s;
+    if (plain[i]->get() != before) ++scratch_generation_;
+  }
   const void* group_before = group_scratch_.get();
   const void* fold_before = fold_counters_.get();
-  if (absl::Status s = ReserveZeroed(group_scratch_, group_words * 4, "group scratch"); !s.ok()) {
+  if (absl::Status s = ReserveZeroed(group_scratch_, z.group_scratch, stream, "group scratch");
+      !s.ok()) {
     return s;
   }
   const void* item_ready_before = item_ready_.get();
-  const size_t item_words = static_cast<size_t>(kItemReadyStride) *
-      static_cast<size_t>(
-          std::max<int64_t>({RoundedItemGrid(plan.num_items), plan.num_items, plan.y_rows, 1}));
-  if (absl::Status s = ReserveZeroed(item_ready_, item_words * 4, "item ready counts"); !s.ok()) {
+  if (absl::Status s = ReserveZeroed(item_ready_, z.item_ready, stream, "item ready counts");
+      !s.ok()) {
     return s;
   }
   if (item_ready_.get() != item_ready_before) {
     ++scratch_generation_;
     item_ready_dirty_ = false;
   }
-  const size_t counters =
-      static_cast<size_t>(plan.tokens) *
-      static_cast<size_t>((layer.hidden + kFoldRowsPerBlock - 1) / kFoldRowsPerBlock) * 4;
-  if (absl::Status s = ReserveZeroed(fold_counters_, counters, "fold counters"); !s.ok()) {
+  if (absl::Status s = ReserveZeroed(fold_counters_, z.fold_counters, stream, "fold counters");
+      !s.ok()) {
     return s;
   }
   if (group_scratch_.get() != group_before || fold_counters_.get() != fold_before) {
@@ -420,7 +442,7 @@ std::string ExpertRunner::ShapeKey(const DeviceExpertLayer& layer, const DeviceB
 absl::Status ExpertRunner::Enqueue(const DeviceExpertLayer& layer, const DeviceBatch& batch,
                                    const RoutePlan& given_plan, cudaStream_t stream) {
   if (given_plan.tokens == 0) return absl::OkStatus();
-  if (absl::Status s = Reserve(layer, given_plan); !s.ok()) return s;
+  if (absl::Status s = Reserve(layer, given_plan, stream); !s.ok()) return s;
   const Decisions d = Decide(layer, batch, given_plan);
   const RoutePlan& plan = d.plan;
   const bool wgmma = d.wgmma;

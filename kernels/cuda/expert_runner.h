@@ -10,6 +10,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -99,8 +100,12 @@ struct DeviceBatch {
 class ExpertRunner {
  public:
   // Grows the scratch for `plan`; a no-op when it is large enough, so a benchmark can size it
-  // before stream capture (allocation is not allowed while capturing).
-  [[nodiscard]] absl::Status Reserve(const DeviceExpertLayer& layer, const RoutePlan& plan);
+  // before stream capture (allocation is not allowed while capturing). New buffers that the
+  // kernels need zeroed are zeroed on `stream` (ordered before what is enqueued there next).
+  [[nodiscard]] absl::Status Reserve(const DeviceExpertLayer& layer, const RoutePlan& plan,
+                                     cudaStream_t stream);
+  // Whether the scratch is already large enough for `plan` (Reserve would allocate nothing).
+  bool Reserved(const DeviceExpertLayer& layer, const RoutePlan& plan) const;
 
   // Enqueues prologue, GEMM1 + activation, GEMM2 and combine on `stream`. `plan` must come from
   // the same routes as batch.ids (PlanRoutes). Nothing is enqueued for zero tokens.
@@ -262,6 +267,21 @@ class ExpertRunner {
   Decisions Decide(const DeviceExpertLayer& layer, const DeviceBatch& batch,
                    const RoutePlan& given_plan) const;
   absl::Status Mark(int stage, cudaStream_t stream) const;
+
+  // What Reserve makes of a plan: the plain scratch buffers' sizes (in PlainScratch's order)
+  // and those of the three buffers kept zeroed.
+  struct ScratchSizes {
+    std::array<size_t, 10> plain{};
+    size_t group_scratch = 0, item_ready = 0, fold_counters = 0;
+  };
+  ScratchSizes Sizes(const DeviceExpertLayer& layer, const RoutePlan& plan) const;
+  // The plain scratch buffers of `self` (const or not).
+  template <typename Self>
+  static auto PlainScratch(Self& self) {
+    return std::array{&self.x_staged_, &self.slot_token_, &self.slot_route_, &self.items_,
+                      &self.wg_items_, &self.wg_sched_,   &self.num_items_,  &self.act_,
+                      &self.y_,        &self.ready_};
+  }
 
   bool round_item_grid_ = false;
   uint64_t scratch_generation_ = 0;

@@ -116,6 +116,8 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   FLAGS_logtostderr = true;
   google::InitGoogleLogging(argv[0]);
+  // A crash prints its signal and stack to the log before the process dies.
+  google::InstallFailureSignalHandler();
 
   // Blocked before gRPC starts its threads, so the signals reach only the sigwait below.
   sigset_t stop_signals;

@@ -45,16 +45,27 @@ ExecutorStats Minus(const ExecutorStats& a, const ExecutorStats& b) {
 }  // namespace
 
 Executor::Executor(ExpertBackend* backend, ExecutorOptions options)
-    : backend_(backend), options_(options), worker_([this] { WorkerLoop(); }) {}
+    : backend_(backend),
+      options_(options),
+      lanes_(std::max(1, backend->MaxConcurrentRuns())),
+      merges_(static_cast<size_t>(lanes_)) {
+  {
+    absl::MutexLock lock(&mu_);
+    for (MergeBuffers& m : merges_) merge_free_.push_back(&m);
+  }
+  for (int i = 0; i < lanes_; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+}
 
 Executor::~Executor() {
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
   }
-  worker_.join();
-  Release(merge_hidden_);
-  Release(merge_out_);
+  for (std::thread& worker : workers_) worker.join();
+  for (MergeBuffers& m : merges_) {
+    Release(m.hidden);
+    Release(m.out);
+  }
 }
 
 void* Executor::Reserve(MergeBuffer& buffer, size_t bytes) {
@@ -83,10 +94,10 @@ absl::Status Executor::Run(const WorkItem& item) {
   Pending pending{&item};
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("shard executor is shutting down");
-  if (queue_.empty() && !busy_ && options_.max_batch_wait <= absl::ZeroDuration()) {
-    // The backend is idle and nobody waits to be merged with: run on this thread. Handing the
-    // item to the worker would cost two thread wake-ups (tens of microseconds on a busy host),
-    // more than a one-token decode step's transfer.
+  if (queue_.empty() && running_ < lanes_ && options_.max_batch_wait <= absl::ZeroDuration()) {
+    // The backend has a free lane and nobody waits to be merged with: run on this thread.
+    // Handing the item to a worker would cost two thread wake-ups (tens of microseconds on a
+    // busy host), more than a one-token decode step's transfer.
     std::vector<Pending*> batch{&pending};
     RunLocked(batch);
     return pending.status;
@@ -132,10 +143,10 @@ void Executor::DropExpired(std::vector<Pending*>& batch) {
 void Executor::WorkerLoop() {
   absl::MutexLock lock(&mu_);
   while (true) {
-    // Not while a caller runs its item inline (busy_): one batch at a time on the backend.
+    // Only while a lane is free (batches run inline by callers count too).
     mu_.Await(absl::Condition(
         +[](Executor* e) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-          return !e->busy_ && (e->stopping_ || !e->queue_.empty());
+          return e->running_ < e->lanes_ && (e->stopping_ || !e->queue_.empty());
         },
         this));
     if (queue_.empty()) return;  // stopping with nothing left
@@ -145,6 +156,8 @@ void Executor::WorkerLoop() {
               +[](Executor* e) ABSL_NO_THREAD_SAFETY_ANALYSIS { return e->queue_.size() > 1; },
               this),
           options_.max_batch_wait);
+      // Meanwhile another worker may have taken the queue, or every lane.
+      if (queue_.empty() || running_ >= lanes_) continue;
     }
     std::vector<Pending*> batch = TakeBatch();
     RunLocked(batch);
@@ -154,10 +167,12 @@ void Executor::WorkerLoop() {
 void Executor::RunLocked(std::vector<Pending*>& batch) {
   DropExpired(batch);
   if (batch.empty()) return;
-  busy_ = true;
+  ++running_;
+  MergeBuffers* merge = merge_free_.back();  // one per lane: never empty here
+  merge_free_.pop_back();
   mu_.Unlock();
   const absl::Time start = absl::Now();
-  const absl::Status status = RunBatch(batch);
+  const absl::Status status = RunBatch(batch, *merge);
   const absl::Duration compute = absl::Now() - start;
   uint64_t tokens = 0;
   for (Pending* p : batch) tokens += p->item->hidden.dim(0);
@@ -167,7 +182,8 @@ void Executor::RunLocked(std::vector<Pending*>& batch) {
                                compute);
   }
   mu_.Lock();
-  busy_ = false;
+  merge_free_.push_back(merge);
+  --running_;
   Account(batch, status, compute);
 }
 
@@ -188,7 +204,7 @@ void Executor::Account(const std::vector<Pending*>& batch, const absl::Status& s
   stats_.compute_seconds += absl::ToDoubleSeconds(compute);
 }
 
-absl::Status Executor::RunBatch(const std::vector<Pending*>& batch) {
+absl::Status Executor::RunBatch(const std::vector<Pending*>& batch, MergeBuffers& merge) {
   const WorkItem& first = *batch[0]->item;
   if (batch.size() == 1) {
     return backend_->Run(first.layer_index, *first.layer,
@@ -236,10 +252,10 @@ absl::Status Executor::RunBatch(const std::vector<Pending*>& batch) {
   // hidden states and output go into the registered merge buffers.
   const TensorView all_hidden{
       first.hidden.dtype, {tokens, h},
-      Reserve(merge_hidden_, static_cast<size_t>(tokens * h) * DTypeSize(first.hidden.dtype))};
+      Reserve(merge.hidden, static_cast<size_t>(tokens * h) * DTypeSize(first.hidden.dtype))};
   const TensorView all_out{
       first.out.dtype, {tokens, h},
-      Reserve(merge_out_, static_cast<size_t>(tokens * h) * DTypeSize(first.out.dtype))};
+      Reserve(merge.out, static_cast<size_t>(tokens * h) * DTypeSize(first.out.dtype))};
   if (all_hidden.data == nullptr || all_out.data == nullptr) {
     return absl::ResourceExhaustedError(
         absl::StrCat("shard executor: no memory for a merged batch of ", tokens, " tokens"));

@@ -1,6 +1,8 @@
 // The shard's batch executor: requests of the same layer (and the same weight snapshot) that are
 // queued together are merged into one batch, bounded by a token budget and an optional wait, and
-// run through the backend by one worker thread; each caller gets its own rows back.
+// run through the backend by worker threads, as many batches at once as the backend runs
+// concurrently (ExpertBackend::MaxConcurrentRuns: a CUDA backend's lanes); each caller gets its
+// own rows back.
 //
 // Called by the service's RPC threads (Run blocks until the caller's batch has run).
 // Thread-safety: Run may be called from any number of threads. Ownership: the executor borrows the
@@ -92,9 +94,11 @@ class Executor {
   std::vector<Pending*> TakeBatch() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers the items of `batch` whose deadline has passed and removes them from it.
   void DropExpired(std::vector<Pending*>& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status RunBatch(const std::vector<Pending*>& batch);
-  // Drops the expired items of `batch`, runs the rest with the lock released (busy_ set
-  // meanwhile, so nothing else runs on the backend), then answers them and counts them.
+  struct MergeBuffers;
+  absl::Status RunBatch(const std::vector<Pending*>& batch, MergeBuffers& merge);
+  // Drops the expired items of `batch`, runs the rest with the lock released (counted in
+  // running_ meanwhile, so that at most lanes_ batches run on the backend), then answers them
+  // and counts them.
   void RunLocked(std::vector<Pending*>& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers `batch` with `status` and adds it to the stats.
   void Account(const std::vector<Pending*>& batch, const absl::Status& status,
@@ -111,18 +115,24 @@ class Executor {
 
   ExpertBackend* const backend_;
   const ExecutorOptions options_;
-  // Merged batches' hidden states and output, kept from batch to batch and registered with the
-  // backend, so that a CUDA backend moves them without its staging copies. Used only by the
-  // batch that runs (busy_: one at a time).
-  MergeBuffer merge_hidden_, merge_out_;
+  // A merged batch's hidden states and output, kept from batch to batch and registered with the
+  // backend, so that a CUDA backend moves them without its staging copies. One set per batch
+  // that may run at once (lanes_), handed to a running batch from merge_free_.
+  struct MergeBuffers {
+    MergeBuffer hidden, out;
+  };
+  // Batches run at once: the backend's MaxConcurrentRuns (at least 1).
+  const int lanes_;
+  std::vector<MergeBuffers> merges_;
   mutable absl::Mutex mu_;
+  std::vector<MergeBuffers*> merge_free_ ABSL_GUARDED_BY(mu_);
   std::deque<Pending*> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  // A batch is running (on the worker, or inline on a caller's thread).
-  bool busy_ ABSL_GUARDED_BY(mu_) = false;
+  // Batches running (on the workers, or inline on callers' threads): at most lanes_.
+  int running_ ABSL_GUARDED_BY(mu_) = 0;
   ExecutorStats stats_ ABSL_GUARDED_BY(mu_);
   ExecutorStats taken_ ABSL_GUARDED_BY(mu_);
-  std::thread worker_;
+  std::vector<std::thread> workers_;
 };
 
 }  // namespace moe

@@ -2,7 +2,9 @@
 // own rows back; budgets and layer boundaries split batches.
 #include "server/shard/executor.h"
 
+#include <algorithm>
 #include <initializer_list>
+#include <memory>
 #include <map>
 #include <thread>
 #include <vector>
@@ -250,6 +252,142 @@ TEST(ExecutorTest, DropsExpiredRequestsWhenTheirBatchIsFormed) {
   EXPECT_EQ(stats.requests, 2u);
   EXPECT_EQ(stats.tokens, 3u);
   EXPECT_EQ(stats.expired, 1u);
+}
+
+// A backend that runs `lanes` batches at once: each Run waits (up to `hold`) until `overlap`
+// Runs are in progress (or all `expected` Runs have started), then writes out = hidden * 2 +
+// 1000 * layer index and records the most Runs it saw in progress at once. The first `gated`
+// Runs also wait for `release`.
+class LaneBackend final : public ExpertBackend {
+ public:
+  LaneBackend(int lanes, int overlap, absl::Duration hold)
+      : lanes_(lanes), overlap_(overlap), hold_(hold) {}
+  absl::string_view name() const override { return "lanes"; }
+  std::string device() const override { return "none"; }
+  int MaxConcurrentRuns() const override { return lanes_; }
+  absl::Status CheckSupported(const ExpertLayer&) const override { return absl::OkStatus(); }
+  absl::Status PrepareLayer(int, const ExpertLayer&) override { return absl::OkStatus(); }
+  absl::Status Run(int layer_index, const ExpertLayer&, const ExpertsRequest& r) override {
+    bool gate = false;
+    {
+      absl::MutexLock lock(&mu_);
+      gate = started_++ < gated;
+      max_in_flight = std::max(max_in_flight, ++in_flight_);
+      batch_tokens.push_back(r.hidden_states.dim(0));
+    }
+    if (gate) release.WaitForNotification();
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.AwaitWithTimeout(absl::Condition(
+                               +[](LaneBackend* b) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                 return b->in_flight_ >= b->overlap_ ||
+                                        (b->expected > 0 && b->started_ >= b->expected);
+                               },
+                               this),
+                           hold_);
+    }
+    // Read only now: a buffer shared with another batch in progress would hold its rows.
+    for (int64_t i = 0; i < r.hidden_states.NumElements(); ++i) {
+      r.out.As<float>()[i] =
+          r.hidden_states.As<const float>()[i] * 2 + 1000.f * static_cast<float>(layer_index);
+    }
+    absl::MutexLock lock(&mu_);
+    --in_flight_;
+    return absl::OkStatus();
+  }
+  // Runs started so far.
+  int started() {
+    absl::MutexLock lock(&mu_);
+    return started_;
+  }
+
+  int gated = 0;
+  int expected = 0;
+  absl::Notification release;
+  int max_in_flight = 0;              // guarded by mu_ (read after the Runs)
+  std::vector<int64_t> batch_tokens;  // guarded by mu_ (read after the Runs)
+
+ private:
+  const int lanes_, overlap_;
+  const absl::Duration hold_;
+  absl::Mutex mu_;
+  int in_flight_ = 0;
+  int started_ = 0;
+};
+
+// The executor runs as many batches at once as the backend takes, and never more.
+TEST(ExecutorTest, RunsAsManyBatchesAtOnceAsTheBackendTakes) {
+  for (int lanes : {1, 2}) {
+    // With one lane a Run would wait for a second forever: bounded by a short hold.
+    LaneBackend backend(lanes, /*overlap=*/2,
+                        lanes == 1 ? absl::Milliseconds(20) : absl::Seconds(30));
+    backend.expected = 6;
+    ExpertLayer layer;
+    Executor executor(&backend, ExecutorOptions{.max_batch_tokens = 1});  // no merging
+    std::vector<std::unique_ptr<Item>> items;
+    for (int i = 0; i < 6; ++i) {
+      items.push_back(std::make_unique<Item>(1, 3, 100.f * static_cast<float>(i), &layer, 0));
+    }
+    std::vector<std::thread> threads;
+    for (auto& item : items) {
+      threads.emplace_back([&executor, &item] { EXPECT_TRUE(executor.Run(item->work).ok()); });
+    }
+    for (auto& t : threads) t.join();
+    EXPECT_EQ(backend.max_in_flight, lanes);
+    EXPECT_EQ(backend.batch_tokens.size(), items.size());
+    for (const auto& item : items) {
+      for (int64_t j = 0; j < 3; ++j) {
+        EXPECT_EQ(item->out.data<float>()[j], item->hidden.data<float>()[j] * 2);
+      }
+    }
+    EXPECT_EQ(executor.stats().requests, items.size());
+  }
+}
+
+// Two merged batches running at once each concatenate their rows into their own buffers.
+TEST(ExecutorTest, ConcurrentMergedBatchesKeepTheirOwnBuffers) {
+  LaneBackend backend(/*lanes=*/2, /*overlap=*/2, absl::Seconds(30));
+  backend.gated = 2;
+  backend.expected = 4;
+  ExpertLayer layer0, layer1;
+  Executor executor(&backend, ExecutorOptions{.max_batch_tokens = 100});
+  // a and b take both lanes (inline on their callers' threads) and wait for release.
+  Item a(1, 4, 0.f, &layer0, 0), b(1, 4, 50.f, &layer0, 0);
+  std::thread ta([&] { EXPECT_TRUE(executor.Run(a.work).ok()); });
+  std::thread tb([&] { EXPECT_TRUE(executor.Run(b.work).ok()); });
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  while (backend.started() < 2 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ(backend.started(), 2);
+  // Two requests per layer queue behind them; each layer's pair becomes one merged batch, and
+  // the two batches run at once on the two lanes.
+  Item c1(2, 4, 100.f, &layer0, 0), c2(3, 4, 200.f, &layer0, 0);
+  Item d1(4, 4, 300.f, &layer1, 1), d2(5, 4, 400.f, &layer1, 1);
+  std::vector<std::thread> threads;
+  size_t queued = 0;
+  for (Item* item : {&c1, &d1, &c2, &d2}) {
+    threads.emplace_back([&executor, item] { EXPECT_TRUE(executor.Run(item->work).ok()); });
+    ++queued;
+    while (executor.queued_requests() < queued && absl::Now() < give_up) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+  }
+  ASSERT_EQ(executor.queued_requests(), 4u);
+  backend.release.Notify();
+  ta.join();
+  tb.join();
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(backend.max_in_flight, 2);
+  std::vector<int64_t> tokens = backend.batch_tokens;
+  std::sort(tokens.begin(), tokens.end());
+  EXPECT_EQ(tokens, (std::vector<int64_t>{1, 1, 5, 9}));
+  for (const Item* item : {&a, &b, &c1, &c2, &d1, &d2}) {
+    const float layer = item->work.layer_index * 1000.f;
+    for (int64_t i = 0; i < item->hidden.NumElements(); ++i) {
+      ASSERT_EQ(item->out.data<float>()[i], item->hidden.data<float>()[i] * 2 + layer)
+          << "item of layer " << item->work.layer_index << ", element " << i;
+    }
+  }
+  EXPECT_EQ(executor.stats().merged_batches, 2u);
 }
 
 }  // namespace

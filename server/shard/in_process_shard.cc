@@ -12,7 +12,7 @@ absl::StatusOr<std::unique_ptr<InProcessShard>> InProcessShard::Start(
       ModelWeightSource::Open(options.model_dir);
   if (!source.ok()) return source.status();
   shard->source_ = *std::move(source);
-  absl::StatusOr<std::unique_ptr<ExpertBackend>> backend = CreateBackend(options.backend);
+  absl::StatusOr<std::unique_ptr<ExpertBackend>> backend = CreateBackend(options.backend, /*cuda_device=*/0, options.cuda_concurrent_runs);
   if (!backend.ok()) return backend.status();
   shard->backend_ = *std::move(backend);
   ExecutorOptions executor;

@@ -29,6 +29,7 @@ namespace moe {
 struct InProcessShardOptions {
   std::string model_dir;               // checkpoint directory (server/model/generator.h writes one)
   std::string backend = "cpu-reference";
+  int cuda_concurrent_runs = 0;  // CreateBackend's (moe_shard --cuda_concurrent_runs)
   int64_t max_message_bytes = 256 << 20;  // receive and send limit (moe_shard's)
   int64_t max_batch_tokens = 8192;
   absl::Duration max_batch_wait = absl::ZeroDuration();  // ExecutorOptions::max_batch_wait

@@ -40,6 +40,9 @@ ABSL_FLAG(std::string, backend, "auto", "auto | cpu | cpu-reference | cuda");
 ABSL_FLAG(int, cuda_device, 0,
           "CUDA device of a cuda (or auto) backend, numbered as this process sees the devices "
           "(under CUDA_VISIBLE_DEVICES); one shard per GPU: 0, 1, ... or one device per process");
+ABSL_FLAG(int, cuda_concurrent_runs, 0,
+          "batches a cuda backend runs at once, each on its own stream and buffers, so that one "
+          "batch's host work overlaps another's kernels (1..8; 0: the backend's default, 2)");
 ABSL_FLAG(int, rank, -1, "rank to request from the coordinator; -1 takes any free rank");
 ABSL_FLAG(int64_t, max_batch_tokens, 8192, "token budget of one merged executor batch");
 ABSL_FLAG(int, max_batch_wait_us, 0,
@@ -99,6 +102,7 @@ namespace {
 struct ShardOptions {
   std::string model, coordinator, host, port_file, backend;
   int port = 0, rank = -1, drain_seconds = 10, register_wait_seconds = 60, cuda_device = 0;
+  int cuda_concurrent_runs = 0;
   int max_connection_age_seconds = 300;
   ExecutorOptions executor;
   HttpEndpointOptions metrics;
@@ -119,6 +123,7 @@ ShardOptions OptionsFromFlags() {
   o.port_file = absl::GetFlag(FLAGS_port_file);
   o.backend = absl::GetFlag(FLAGS_backend);
   o.cuda_device = absl::GetFlag(FLAGS_cuda_device);
+  o.cuda_concurrent_runs = absl::GetFlag(FLAGS_cuda_concurrent_runs);
   o.rank = absl::GetFlag(FLAGS_rank);
   o.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
   o.register_wait_seconds = absl::GetFlag(FLAGS_register_wait_seconds);
@@ -170,7 +175,7 @@ int Run(const ShardOptions& o) {
     LOG(ERROR) << "cannot open model " << o.model << ": " << source.status();
     return 1;
   }
-  absl::StatusOr<std::unique_ptr<ExpertBackend>> backend = CreateBackend(o.backend, o.cuda_device);
+  absl::StatusOr<std::unique_ptr<ExpertBackend>> backend = CreateBackend(o.backend, o.cuda_device, o.cuda_concurrent_runs);
   if (!backend.ok()) {
     LOG(ERROR) << backend.status();
     return 1;
@@ -352,5 +357,7 @@ int main(int argc, char** argv) {
   moe::TuneAllocatorForLargeBuffers();
   FLAGS_logtostderr = true;
   google::InitGoogleLogging(argv[0]);
+  // A crash prints its signal and stack to the log before the process dies.
+  google::InstallFailureSignalHandler();
   return moe::Run(moe::OptionsFromFlags());
 }
