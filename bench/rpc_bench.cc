@@ -124,6 +124,9 @@ ABSL_FLAG(int64_t, max_batch_tokens, 1 << 20,
 ABSL_FLAG(int64_t, max_batch_wait_us, 0,
           "in-process shard: how long the executor may wait for more requests before running an "
           "under-budget batch (moe_shard --max_batch_wait_us)");
+ABSL_FLAG(int64_t, overlap_min_tokens, -1,
+          "in-process shard's executor: queued tokens of a running layer that start another of "
+          "its batches on a free lane (moe_shard --overlap_min_tokens); -1: its default (32)");
 ABSL_FLAG(double, seconds, 1.0, "timed seconds per case (at least 3 calls per client)");
 ABSL_FLAG(int64_t, max_inflight_mib, 128, "skip cases where clients * payload exceeds this");
 ABSL_FLAG(std::string, backend, "cpu",
@@ -137,6 +140,10 @@ ABSL_FLAG(std::string, routes, "none",
           "token drawn uniformly, run on --backend");
 ABSL_FLAG(int64_t, experts, 8, "experts of the generated model's layer");
 ABSL_FLAG(int64_t, top_k, 2, "experts per token of the generated model");
+ABSL_FLAG(int64_t, layers, 1,
+          "layers the clients spread over (client i sends layer i % layers; the generated model "
+          "has that many): requests of different layers never merge into one batch, and with "
+          "--cuda_concurrent_runs > 1 their batches run at once");
 ABSL_FLAG(int64_t, intermediate, 64, "expert intermediate size I of the generated model");
 ABSL_FLAG(std::string, format, "mxfp4",
           "weight format of the generated model: mxfp4 (gpt-oss layout, SWIGLUOAI with biases) "
@@ -175,6 +182,8 @@ struct RequestShape {
   int64_t top_k = 0;
   int64_t experts = 0;
   bool routed = false;  // --routes=uniform
+  int64_t layers = 1;    // --layers
+  int64_t layer = 0;     // the layer a client's requests go to
 };
 
 struct Case {
@@ -250,7 +259,7 @@ v1::ForwardRequest MakeHeader(int64_t t, const RequestShape& shape, std::mt19937
                               std::string* payload) {
   const int64_t hidden = shape.hidden, top_k = shape.top_k;
   v1::ForwardRequest req;
-  req.set_layer(0);
+  req.set_layer(static_cast<uint32_t>(shape.layer));
   req.set_map_version(1);
   req.set_output_dtype(v1::BF16);
   v1::HiddenStates* hs = req.mutable_hidden_states();
@@ -640,7 +649,9 @@ CaseResult RunCase(const Case& c, const std::string& address, const RequestShape
   r.payload_bytes = c.tokens * shape.hidden * 2;
   std::vector<std::unique_ptr<Client>> clients;
   for (int i = 0; i < c.clients; ++i) {
-    clients.push_back(std::make_unique<Client>(c.mode, address, c.tokens, shape,
+    RequestShape own = shape;
+    own.layer = i % shape.layers;
+    clients.push_back(std::make_unique<Client>(c.mode, address, c.tokens, own,
                                                /*seed=*/1000003 * (c.tokens + 1) + i));
   }
   absl::Mutex mu;
@@ -822,7 +833,7 @@ nlohmann::json ToJson(const CaseResult& r) {
 
 // The model the requests are shaped after, and where it came from.
 struct ServedShape {
-  int64_t hidden = 0, top_k = 0, experts = 0, intermediate = 0;
+  int64_t hidden = 0, top_k = 0, experts = 0, intermediate = 0, layers = 0;
   std::string backend, device;
   bool generated = false;  // written by this run
 };
@@ -852,7 +863,7 @@ absl::StatusOr<std::unique_ptr<LocalShard>> StartLocalShard(const RequestShape& 
   }
   model::GenerateOptions gen;
   gen.format = format == "nvfp4" ? WeightFormat::kNvfp4 : WeightFormat::kMxfp4;
-  gen.layers = 1;
+  gen.layers = static_cast<int>(shape.layers);
   gen.hidden = shape.hidden;
   gen.experts = shape.experts;
   gen.top_k = shape.top_k;
@@ -876,6 +887,9 @@ absl::StatusOr<std::unique_ptr<LocalShard>> StartLocalShard(const RequestShape& 
   options.cuda_concurrent_runs = absl::GetFlag(FLAGS_cuda_concurrent_runs);
   options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   options.max_batch_wait = absl::Microseconds(absl::GetFlag(FLAGS_max_batch_wait_us));
+  if (const int64_t overlap = absl::GetFlag(FLAGS_overlap_min_tokens); overlap >= 0) {
+    options.overlap_min_tokens = overlap;
+  }
   options.observer = observer;
   options.pin_shared_memory = absl::GetFlag(FLAGS_pin_shm);
   options.forward_cuda_on_device = absl::GetFlag(FLAGS_cuda_on_device);
@@ -898,6 +912,7 @@ absl::StatusOr<std::unique_ptr<LocalShard>> StartLocalShard(const RequestShape& 
   local->served.top_k = model.top_k;
   local->served.experts = model.num_experts;
   local->served.intermediate = model.intermediate;
+  local->served.layers = model.num_layers;
   local->served.backend = options.backend;
   return local;
 }
@@ -917,6 +932,7 @@ absl::StatusOr<ServedShape> AskShard(const std::string& address) {
   served.top_k = info.top_k();
   served.experts = info.num_experts();
   served.intermediate = info.intermediate_size();
+  served.layers = info.num_layers();
   served.backend = info.backend();
   served.device = info.device();
   return served;
@@ -940,6 +956,11 @@ int Main() {
   shape.top_k = absl::GetFlag(FLAGS_top_k);
   shape.experts = absl::GetFlag(FLAGS_experts);
   shape.routed = routes == "uniform";
+  shape.layers = absl::GetFlag(FLAGS_layers);
+  if (shape.layers < 1) {
+    std::fprintf(stderr, "rpc_bench: --layers must be 1 or more\n");
+    return 2;
+  }
   if (absl::GetFlag(FLAGS_max_batch_tokens) < 1 || absl::GetFlag(FLAGS_max_batch_wait_us) < 0) {
     std::fprintf(stderr, "rpc_bench: need --max_batch_tokens >= 1 and --max_batch_wait_us >= 0\n");
     return 2;
@@ -979,6 +1000,11 @@ int Main() {
   shape.hidden = served.hidden;
   shape.top_k = served.top_k;
   shape.experts = served.experts;
+  if (shape.layers > served.layers) {
+    std::fprintf(stderr, "rpc_bench: --layers=%lld but the model has %lld layer(s)\n",
+                 static_cast<long long>(shape.layers), static_cast<long long>(served.layers));
+    return 2;
+  }
   const ExpertBackend* backend = local != nullptr ? &local->shard->backend() : nullptr;
   const double tcp_gbps = TcpLoopbackGbps(64 << 20, 16);
   const double tcp_rtt_us = TcpRoundTripUs(64, 4000);
@@ -1030,6 +1056,7 @@ int Main() {
       {"routes", routes},
       {"experts", shape.experts},
       {"top_k", shape.top_k},
+      {"layers", shape.layers},
       {"intermediate", served.intermediate},
       {"model_generated", served.generated},
       {"format", served.generated ? format : std::string("as in the checkpoint")},
@@ -1045,6 +1072,7 @@ int Main() {
       {"raw_pool_mib", absl::GetFlag(FLAGS_raw_pool_mib)},
       {"max_batch_tokens", absl::GetFlag(FLAGS_max_batch_tokens)},
       {"max_batch_wait_us", absl::GetFlag(FLAGS_max_batch_wait_us)},
+      {"overlap_min_tokens", absl::GetFlag(FLAGS_overlap_min_tokens)},
       {"cuda_concurrent_runs", absl::GetFlag(FLAGS_cuda_concurrent_runs)},
       {"allocator_tuned", tuned},
       {"channel_spin_us", absl::GetFlag(FLAGS_channel_spin_us) >= 0

@@ -94,7 +94,8 @@ absl::Status Executor::Run(const WorkItem& item) {
   Pending pending{&item};
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("shard executor is shutting down");
-  if (queue_.empty() && running_ < lanes_ && options_.max_batch_wait <= absl::ZeroDuration()) {
+  if (queue_.empty() && running_ < lanes_ && options_.max_batch_wait <= absl::ZeroDuration() &&
+      MayStart(item, item.hidden.dim(0))) {
     // The backend has a free lane and nobody waits to be merged with: run on this thread.
     // Handing the item to a worker would cost two thread wake-ups (tens of microseconds on a
     // busy host), more than a one-token decode step's transfer.
@@ -108,9 +109,40 @@ absl::Status Executor::Run(const WorkItem& item) {
   return pending.status;
 }
 
-std::vector<Executor::Pending*> Executor::TakeBatch() {
-  std::vector<Pending*> batch{queue_.front()};
-  queue_.pop_front();
+bool Executor::MayStart(const WorkItem& item, int64_t queued_tokens) const {
+  if (queued_tokens >= std::min(options_.max_batch_tokens, options_.overlap_min_tokens)) {
+    return true;
+  }
+  for (const WorkItem* lead : running_leads_) {
+    if (SameBatch(*lead, item)) return false;
+  }
+  return true;
+}
+
+std::deque<Executor::Pending*>::iterator Executor::NextStartable() {
+  // Kinds already found waiting for their running batch: each kind's queue is summed once.
+  std::vector<const WorkItem*> waiting;
+  for (auto it = queue_.begin(); it != queue_.end(); ++it) {
+    const WorkItem& item = *(*it)->item;
+    int64_t tokens = item.hidden.dim(0);
+    if (MayStart(item, tokens)) return it;
+    if (std::any_of(waiting.begin(), waiting.end(),
+                    [&](const WorkItem* w) { return SameBatch(*w, item); })) {
+      continue;
+    }
+    // The first queued request of a running kind: does what is queued of its kind fill a batch?
+    for (auto other = std::next(it); other != queue_.end(); ++other) {
+      if (SameBatch(item, *(*other)->item)) tokens += (*other)->item->hidden.dim(0);
+    }
+    if (MayStart(item, tokens)) return it;
+    waiting.push_back(&item);
+  }
+  return queue_.end();
+}
+
+std::vector<Executor::Pending*> Executor::TakeBatch(std::deque<Pending*>::iterator lead) {
+  std::vector<Pending*> batch{*lead};
+  queue_.erase(lead);
   int64_t tokens = batch[0]->item->hidden.dim(0);
   for (auto it = queue_.begin(); it != queue_.end();) {
     const WorkItem& w = *(*it)->item;
@@ -143,10 +175,12 @@ void Executor::DropExpired(std::vector<Pending*>& batch) {
 void Executor::WorkerLoop() {
   absl::MutexLock lock(&mu_);
   while (true) {
-    // Only while a lane is free (batches run inline by callers count too).
+    // Only while a lane is free (batches run inline by callers count too) and a queued request
+    // may lead a batch (merge before overlap).
     mu_.Await(absl::Condition(
         +[](Executor* e) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-          return e->running_ < e->lanes_ && (e->stopping_ || !e->queue_.empty());
+          return (e->stopping_ && e->queue_.empty()) ||
+                 (e->running_ < e->lanes_ && e->NextStartable() != e->queue_.end());
         },
         this));
     if (queue_.empty()) return;  // stopping with nothing left
@@ -156,10 +190,11 @@ void Executor::WorkerLoop() {
               +[](Executor* e) ABSL_NO_THREAD_SAFETY_ANALYSIS { return e->queue_.size() > 1; },
               this),
           options_.max_batch_wait);
-      // Meanwhile another worker may have taken the queue, or every lane.
-      if (queue_.empty() || running_ >= lanes_) continue;
     }
-    std::vector<Pending*> batch = TakeBatch();
+    // Meanwhile another worker may have taken the queue, or every lane.
+    const auto lead = NextStartable();
+    if (running_ >= lanes_ || lead == queue_.end()) continue;
+    std::vector<Pending*> batch = TakeBatch(lead);
     RunLocked(batch);
   }
 }
@@ -168,6 +203,7 @@ void Executor::RunLocked(std::vector<Pending*>& batch) {
   DropExpired(batch);
   if (batch.empty()) return;
   ++running_;
+  running_leads_.push_back(batch[0]->item);
   MergeBuffers* merge = merge_free_.back();  // one per lane: never empty here
   merge_free_.pop_back();
   mu_.Unlock();
@@ -184,6 +220,7 @@ void Executor::RunLocked(std::vector<Pending*>& batch) {
   mu_.Lock();
   merge_free_.push_back(merge);
   --running_;
+  running_leads_.erase(std::find(running_leads_.begin(), running_leads_.end(), batch[0]->item));
   Account(batch, status, compute);
 }
 

@@ -275,8 +275,10 @@ class LaneBackend final : public ExpertBackend {
       max_in_flight = std::max(max_in_flight, ++in_flight_);
       batch_tokens.push_back(r.hidden_states.dim(0));
     }
-    if (gate) release.WaitForNotification();
-    {
+    if (gate) {
+      // Held until release, and no longer.
+      release.WaitForNotification();
+    } else {
       absl::MutexLock lock(&mu_);
       mu_.AwaitWithTimeout(absl::Condition(
                                +[](LaneBackend* b) ABSL_NO_THREAD_SAFETY_ANALYSIS {
@@ -301,7 +303,7 @@ class LaneBackend final : public ExpertBackend {
     return started_;
   }
 
-  int gated = 0;
+  int gated = 0;  // the first `gated` Runs wait for release (and only for it)
   int expected = 0;
   absl::Notification release;
   int max_in_flight = 0;              // guarded by mu_ (read after the Runs)
@@ -351,15 +353,16 @@ TEST(ExecutorTest, ConcurrentMergedBatchesKeepTheirOwnBuffers) {
   backend.expected = 4;
   ExpertLayer layer0, layer1;
   Executor executor(&backend, ExecutorOptions{.max_batch_tokens = 100});
-  // a and b take both lanes (inline on their callers' threads) and wait for release.
-  Item a(1, 4, 0.f, &layer0, 0), b(1, 4, 50.f, &layer0, 0);
+  // a and b (of different layers) take both lanes, inline on their callers' threads, and wait
+  // for release.
+  Item a(1, 4, 0.f, &layer0, 0), b(1, 4, 50.f, &layer1, 1);
   std::thread ta([&] { EXPECT_TRUE(executor.Run(a.work).ok()); });
   std::thread tb([&] { EXPECT_TRUE(executor.Run(b.work).ok()); });
   const absl::Time give_up = absl::Now() + absl::Seconds(30);
   while (backend.started() < 2 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(1));
   ASSERT_EQ(backend.started(), 2);
-  // Two requests per layer queue behind them; each layer's pair becomes one merged batch, and
-  // the two batches run at once on the two lanes.
+  // Two requests per layer queue behind them; each layer's pair becomes one merged batch once
+  // that layer's running batch ends, and the two batches run at once on the two lanes.
   Item c1(2, 4, 100.f, &layer0, 0), c2(3, 4, 200.f, &layer0, 0);
   Item d1(4, 4, 300.f, &layer1, 1), d2(5, 4, 400.f, &layer1, 1);
   std::vector<std::thread> threads;
@@ -388,6 +391,83 @@ TEST(ExecutorTest, ConcurrentMergedBatchesKeepTheirOwnBuffers) {
     }
   }
   EXPECT_EQ(executor.stats().merged_batches, 2u);
+}
+
+// Merge before overlap: while a layer's batch runs, a free lane does not start another batch of
+// that layer (the requests queue and merge into its next batch) unless its queue holds a batch's
+// worth of tokens; a request of another layer takes the free lane at once.
+TEST(ExecutorTest, MergesBeforeOverlappingOneLayer) {
+  LaneBackend backend(/*lanes=*/2, /*overlap=*/1, absl::ZeroDuration());
+  backend.gated = 1;  // a holds its lane until release
+  ExpertLayer layer0, layer1;
+  Executor executor(&backend, ExecutorOptions{.max_batch_tokens = 8});
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  const auto wait_for = [&](auto done) {
+    while (!done() && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(1));
+    return done();
+  };
+  Item a(1, 4, 0.f, &layer0, 0);
+  std::thread ta([&] { EXPECT_TRUE(executor.Run(a.work).ok()); });
+  ASSERT_TRUE(wait_for([&] { return backend.started() == 1; }));
+  // b and c (layer 0, 2 + 3 tokens: under the budget of 8) wait although a lane is free.
+  Item b(2, 4, 100.f, &layer0, 0), c(3, 4, 200.f, &layer0, 0);
+  std::thread tb([&] { EXPECT_TRUE(executor.Run(b.work).ok()); });
+  ASSERT_TRUE(wait_for([&] { return executor.queued_requests() == 1; }));
+  std::thread tc([&] { EXPECT_TRUE(executor.Run(c.work).ok()); });
+  ASSERT_TRUE(wait_for([&] { return executor.queued_requests() == 2; }));
+  // d, of layer 1, runs on the free lane at once (inline on its thread).
+  Item d(1, 4, 300.f, &layer1, 1);
+  EXPECT_TRUE(executor.Run(d.work).ok());
+  EXPECT_EQ(backend.started(), 2);
+  EXPECT_EQ(executor.queued_requests(), 2u);  // b and c still wait for a
+  // e (layer 0, 8 tokens) makes layer 0's queue more than a batch (13 tokens, budget 8): the
+  // free lane takes b and c (5 tokens; e does not fit with them), then e, while a still runs.
+  Item e(8, 4, 400.f, &layer0, 0);
+  EXPECT_TRUE(executor.Run(e.work).ok());
+  EXPECT_EQ(backend.started(), 4);
+  EXPECT_EQ(executor.queued_requests(), 0u);
+  backend.release.Notify();
+  ta.join();
+  tb.join();
+  tc.join();
+  EXPECT_EQ(backend.batch_tokens, (std::vector<int64_t>{1, 1, 5, 8}));
+  EXPECT_EQ(executor.stats().merged_batches, 1u);
+  for (const Item* item : {&a, &b, &c, &d, &e}) {
+    const float layer = item->work.layer_index * 1000.f;
+    for (int64_t i = 0; i < item->hidden.NumElements(); ++i) {
+      ASSERT_EQ(item->out.data<float>()[i], item->hidden.data<float>()[i] * 2 + layer);
+    }
+  }
+}
+
+// overlap_min_tokens: once a running layer's queue holds that many tokens, they start on a free
+// lane without waiting for its batch.
+TEST(ExecutorTest, OverlapMinTokensStartsALargeQueueAtOnce) {
+  LaneBackend backend(/*lanes=*/2, /*overlap=*/1, absl::ZeroDuration());
+  backend.gated = 1;
+  ExpertLayer layer;
+  Executor executor(&backend,
+                    ExecutorOptions{.max_batch_tokens = 100, .overlap_min_tokens = 4});
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  Item a(1, 4, 0.f, &layer, 0), b(2, 4, 100.f, &layer, 0), c(3, 4, 200.f, &layer, 0);
+  std::thread ta([&] { EXPECT_TRUE(executor.Run(a.work).ok()); });
+  while (backend.started() < 1 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(1));
+  std::thread tb([&] { EXPECT_TRUE(executor.Run(b.work).ok()); });
+  while (executor.queued_requests() < 1 && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_EQ(backend.started(), 1);  // 2 tokens queued: b waits for a
+  EXPECT_TRUE(executor.Run(c.work).ok());  // 5 >= 4: b and c run, while a still holds its lane
+  tb.join();
+  EXPECT_EQ(backend.started(), 2);
+  backend.release.Notify();
+  ta.join();
+  EXPECT_EQ(backend.batch_tokens, (std::vector<int64_t>{1, 5}));
+  for (const Item* item : {&a, &b, &c}) {
+    for (int64_t i = 0; i < item->hidden.NumElements(); ++i) {
+      ASSERT_EQ(item->out.data<float>()[i], item->hidden.data<float>()[i] * 2);
+    }
+  }
 }
 
 }  // namespace

@@ -18,6 +18,7 @@ absl::StatusOr<std::unique_ptr<InProcessShard>> InProcessShard::Start(
   ExecutorOptions executor;
   executor.max_batch_tokens = options.max_batch_tokens;
   executor.max_batch_wait = options.max_batch_wait;
+  executor.overlap_min_tokens = options.overlap_min_tokens;
   executor.observer = options.observer;
   shard->service_ = std::make_unique<ExpertShardService>(shard->source_.get(),
                                                          shard->backend_.get(), executor);

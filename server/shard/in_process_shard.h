@@ -33,6 +33,7 @@ struct InProcessShardOptions {
   int64_t max_message_bytes = 256 << 20;  // receive and send limit (moe_shard's)
   int64_t max_batch_tokens = 8192;
   absl::Duration max_batch_wait = absl::ZeroDuration();  // ExecutorOptions::max_batch_wait
+  int64_t overlap_min_tokens = kDefaultOverlapMinTokens;  // ExecutorOptions::overlap_min_tokens
   // Told about every Forward and executor batch (ShardObserver); borrowed, may be null, must
   // outlive the shard.
   ShardObserver* observer = nullptr;

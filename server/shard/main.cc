@@ -48,6 +48,10 @@ ABSL_FLAG(int64_t, max_batch_tokens, 8192, "token budget of one merged executor 
 ABSL_FLAG(int, max_batch_wait_us, 0,
           "how long the executor waits for more requests of the same layer (0: merge only what "
           "is already queued)");
+ABSL_FLAG(int64_t, overlap_min_tokens, moe::kDefaultOverlapMinTokens,
+          "with --cuda_concurrent_runs > 1: another batch of a layer whose batch is running "
+          "starts on a free lane only once that layer's queued requests hold this many tokens "
+          "(or --max_batch_tokens); fewer wait to merge into its next batch. 0: at once");
 ABSL_FLAG(int, drain_seconds, 10, "on SIGTERM: how long in-flight calls may take to finish");
 ABSL_FLAG(int, register_wait_seconds, 60, "how long to keep trying to reach the coordinator");
 ABSL_FLAG(int, metrics_port, 0,
@@ -132,6 +136,7 @@ ShardOptions OptionsFromFlags() {
   o.admission.max_inflight_total = absl::GetFlag(FLAGS_max_inflight_total);
   o.executor.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   o.executor.max_batch_wait = absl::Microseconds(absl::GetFlag(FLAGS_max_batch_wait_us));
+  o.executor.overlap_min_tokens = absl::GetFlag(FLAGS_overlap_min_tokens);
   o.tcp_channel = absl::GetFlag(FLAGS_tcp_channel);
   o.tcp_channel_port = absl::GetFlag(FLAGS_tcp_channel_port);
   o.tcp_channel_spin_us = absl::GetFlag(FLAGS_tcp_channel_spin_us);
@@ -163,6 +168,11 @@ int Run(const ShardOptions& o) {
   if (o.tcp_channel_spin_us < 0 || o.tcp_channel_spin_us > 1000000) {
     LOG(ERROR) << "--tcp_channel_spin_us=" << o.tcp_channel_spin_us
                << ": must be in [0, 1000000] (microseconds)";
+    return 2;
+  }
+  if (o.executor.overlap_min_tokens < 0) {
+    LOG(ERROR) << "--overlap_min_tokens=" << o.executor.overlap_min_tokens
+               << ": must be 0 or more";
     return 2;
   }
   if (o.tcp_channel_max_connections < 1 || o.tcp_channel_max_connections > 65536) {
