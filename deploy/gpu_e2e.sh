@@ -14,6 +14,7 @@
 # Here: `bazel build //deploy:bundle && deploy/bundle.sh --install
 # bazel-bin/deploy/moe-serve-bundle.tar.gz .bundle-rel`, then carry .bundle-rel and this script
 # to the GPU machine. Logs go to $OUT (default /tmp/out). Exits 1 when a workload fails.
+# SHARD_FLAGS="--cuda_concurrent_runs=1 ..." adds flags to both serving shards (A/B runs).
 set -u
 bundle="${1:-$(ls .bundle-rel/moe-serve-*.tar.gz 2> /dev/null | head -1)}"
 [[ -f "$bundle" ]] || { echo "usage: $0 [moe-serve bundle .tar.gz]" >&2; exit 2; }
@@ -47,7 +48,7 @@ for fmt in mxfp4 nvfp4; do
   sleep 1
   for r in 0 1; do
     bin/moe-shard --model "$m" --coordinator 127.0.0.1:$port --port $((port + 1 + r)) --rank $r \
-      --backend cuda --cuda_device 0 --tcp_channel > "$OUT/shard$r-$fmt.log" 2>&1 &
+      --backend cuda --cuda_device 0 --tcp_channel ${SHARD_FLAGS:-} > "$OUT/shard$r-$fmt.log" 2>&1 &
   done
   for run in "$steps 16 raw" "12 2 raw" "3 512 raw" "$steps 16 tcp" "$steps 16 auto"; do
     read -r n tokens transport <<< "$run"

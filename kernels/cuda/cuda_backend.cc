@@ -188,13 +188,10 @@ class CudaExpertBackend final : public ExpertBackend {
       absl::MutexLock lock(&layers_mu_);
       std::erase_if(layers_[layer_index], [&](const auto& v) { return v->host == host; });
     }
-    absl::StatusOr<std::unique_ptr<cuda::DeviceExpertLayer>> d;
-    {
-      // Allocation and synchronous copies: not while another lane captures (capture_mu_; a Run
-      // that needs no capture or new scratch goes on meanwhile).
-      absl::MutexLock capture(&capture_mu_);
-      d = cuda::UploadExpertLayer(layer, options_.device, options_.upload_threads);
-    }
+    // Its allocations and copies not while a lane captures (capture_mu_, taken per call, so a
+    // capture waits for one copy at most, not for the whole repacking).
+    absl::StatusOr<std::unique_ptr<cuda::DeviceExpertLayer>> d = cuda::UploadExpertLayer(
+        layer, options_.device, options_.upload_threads, &capture_mu_);
     if (!d.ok()) return d.status();
     // Freed under capture_mu_ too, wherever its last reference goes (an evicted version, or the
     // end of the Run that still used it).

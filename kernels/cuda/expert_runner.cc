@@ -57,7 +57,8 @@ void FillEpilogue(const ExpertLayer& layer, const ExpertWeights& w, const Packed
 // Packs and uploads slots tid, tid + threads, ... of the layer.
 absl::Status UploadSlots(const ExpertLayer& layer, DeviceExpertLayer& d, int device, int tid,
                          int threads, std::vector<float>& ep_scale, std::vector<float>& bias_gate,
-                         std::vector<float>& bias_up, std::vector<float>& bias_w2) {
+                         std::vector<float>& bias_up, std::vector<float>& bias_w2,
+                         absl::Mutex* device_calls) {
   if (absl::Status s = CudaStatus(cudaSetDevice(device), "cudaSetDevice"); !s.ok()) return s;
   const PackedShape s13 = W13PackedShape(layer.hidden, layer.intermediate);
   const PackedShape s2 = W2PackedShape(layer.hidden, layer.intermediate);
@@ -83,6 +84,7 @@ absl::Status UploadSlots(const ExpertLayer& layer, DeviceExpertLayer& d, int dev
     for (const auto& c : copies) {
       const size_t bytes = c.host.size() * sizeof(uint32_t);
       char* dst = c.buf.as<char>() + bytes * slot;
+      absl::MutexLockMaybe lock(device_calls);
       if (absl::Status s = CudaStatus(
               cudaMemcpy(dst, c.host.data(), bytes, cudaMemcpyHostToDevice), "weight upload");
           !s.ok()) {
@@ -146,8 +148,8 @@ int64_t DeviceExpertLayer::device_bytes() const {
   return total;
 }
 
-absl::StatusOr<std::unique_ptr<DeviceExpertLayer>> UploadExpertLayer(const ExpertLayer& layer,
-                                                                     int device, int threads) {
+absl::StatusOr<std::unique_ptr<DeviceExpertLayer>> UploadExpertLayer(
+    const ExpertLayer& layer, int device, int threads, absl::Mutex* device_calls) {
   if (layer.format != WeightFormat::kMxfp4 && layer.format != WeightFormat::kNvfp4) {
     return absl::FailedPreconditionError(absl::StrCat(
         "cuda backend: ", WeightFormatName(layer.format), " weights are not supported (FP4 only)"));
@@ -158,6 +160,12 @@ absl::StatusOr<std::unique_ptr<DeviceExpertLayer>> UploadExpertLayer(const Exper
         "cuda backend: ", slots, " expert slots per layer; 1..", kMaxPrologueSlots, " supported"));
   }
   auto d = std::make_unique<DeviceExpertLayer>();
+  // On failure what was allocated is freed under `device_calls` too.
+  const auto fail = [&](absl::Status s) {
+    absl::MutexLockMaybe lock(device_calls);
+    d.reset();
+    return s;
+  };
   d->format = layer.format == WeightFormat::kMxfp4 ? Fp4Format::kMxfp4 : Fp4Format::kNvfp4;
   d->hidden = layer.hidden;
   d->inter = layer.intermediate;
@@ -178,9 +186,12 @@ absl::StatusOr<std::unique_ptr<DeviceExpertLayer>> UploadExpertLayer(const Exper
                {d->w2.values, s2.value_words()},
                {d->w2.scales, s2.scale_words(layer.format)}};
   for (const auto& s : sizes) {
-    if (absl::Status st = s.buf.Reserve(static_cast<size_t>(s.words) * 4 * slots); !st.ok()) {
-      return st;
+    absl::Status st;
+    {
+      absl::MutexLockMaybe lock(device_calls);
+      st = s.buf.Reserve(static_cast<size_t>(s.words) * 4 * slots);
     }
+    if (!st.ok()) return fail(st);
   }
   std::vector<float> ep_scale(3 * slots), bias_gate(layer.intermediate * slots),
       bias_up(layer.intermediate * slots), bias_w2(layer.hidden * slots);
@@ -190,19 +201,24 @@ absl::StatusOr<std::unique_ptr<DeviceExpertLayer>> UploadExpertLayer(const Exper
   for (int tid = 0; tid < threads; ++tid) {
     workers.emplace_back([&, tid] {
       status[tid] = UploadSlots(layer, *d, device, tid, threads, ep_scale, bias_gate, bias_up,
-                                bias_w2);
+                                bias_w2, device_calls);
     });
   }
   for (std::thread& w : workers) w.join();
   for (const absl::Status& s : status) {
-    if (!s.ok()) return s;
+    if (!s.ok()) return fail(s);
   }
   for (const auto& [buf, host] :
        {std::pair<DeviceBuffer*, const std::vector<float>*>{&d->ep_scale, &ep_scale},
         {&d->bias_gate, &bias_gate},
         {&d->bias_up, &bias_up},
         {&d->bias_w2, &bias_w2}}) {
-    if (absl::Status s = Upload(*buf, *host); !s.ok()) return s;
+    absl::Status s;
+    {
+      absl::MutexLockMaybe lock(device_calls);
+      s = Upload(*buf, *host);
+    }
+    if (!s.ok()) return fail(s);
   }
   return d;
 }

@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "kernels/cuda/expert_kernels.h"
 #include "kernels/cuda/expert_plan.h"
 #include "kernels/experts.h"
@@ -81,10 +82,12 @@ struct DeviceExpertLayer {
 };
 
 // Repacks every expert of `layer` (on `threads` host threads) and uploads it to the current
-// device. REQUIRES: ValidateExpertLayer(layer) is OK. FAILED_PRECONDITION for a format other than
+// device. `device_calls`, when not null, is held around each allocation and copy (not the host
+// repacking): a caller whose other threads capture CUDA graphs keeps them apart that way.
+// REQUIRES: ValidateExpertLayer(layer) is OK. FAILED_PRECONDITION for a format other than
 // MXFP4/NVFP4 or more than kMaxPrologueSlots slots.
-absl::StatusOr<std::unique_ptr<DeviceExpertLayer>> UploadExpertLayer(const ExpertLayer& layer,
-                                                                     int device, int threads);
+absl::StatusOr<std::unique_ptr<DeviceExpertLayer>> UploadExpertLayer(
+    const ExpertLayer& layer, int device, int threads, absl::Mutex* device_calls = nullptr);
 
 // Device pointers of one batch; shapes as in ExpertsRequest ([T, H], [T, K], [T]).
 struct DeviceBatch {
