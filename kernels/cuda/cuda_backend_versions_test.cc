@@ -826,8 +826,9 @@ TEST(CudaBackendVersionsTest, ConcurrentRunsMatchSerialRuns) {
 // memory. Before CudaExpertBackend::capture_mu_ this crashed the process (SIGSEGV in
 // cuCtxSynchronize, from the scratch zeroing's device-wide synchronization) or failed Runs
 // ("operation not permitted when stream is capturing"): about one rpc_bench run in five at 16
-// clients on the H200. A fresh backend per round, so every round starts cold; the outputs are
-// bitwise those of a one-lane backend.
+// clients on the H200. Uploads of another layer (PrepareLayer) go on at the same time. A fresh
+// backend per round, so every round starts cold; the outputs are bitwise those of a one-lane
+// backend.
 TEST(CudaBackendVersionsTest, LanesWarmingUpTogether) {
   const std::unique_ptr<OwnedLayer> layer = Layer(89);
   const auto make = [&](int runs) -> std::unique_ptr<ExpertBackend> {
@@ -877,11 +878,18 @@ TEST(CudaBackendVersionsTest, LanesWarmingUpTogether) {
         }
       });
     }
+    // Meanwhile: host memory pinned and unpinned, and another layer index uploaded again and
+    // again (each upload replaces and frees the previous copy, and drops every lane's graphs).
+    int64_t uploads = 0;
     std::thread pinner([&] {
       std::vector<char> host(size_t{1} << 20);
       while (!done.load()) {
         if (lanes->RegisterHostMemory(host.data(), host.size()).ok()) {
           lanes->UnregisterHostMemory(host.data());
+        }
+        if (uploads < 8) {
+          EXPECT_TRUE(lanes->PrepareLayer(1, layer->layer).ok());
+          ++uploads;
         }
       }
     });
