@@ -673,9 +673,11 @@ absl::Status CudaExpertBackend::EnqueueKernels(Lane& lane, const cuda::DeviceExp
   const uint64_t layers = layers_generation_.load();
   if (lane.graph_arena != lane.arena.get() || lane.graph_pinned != lane.pinned_device ||
       lane.graph_scratch != lane.runner.scratch_generation() || lane.graph_layers != layers) {
-    if (!lane.graphs.empty()) {
-      ++lane.counters.graph_invalidations;
-      absl::MutexLock capture(&capture_mu_);
+    if (!lane.graphs.empty()) ++lane.counters.graph_invalidations;
+    {
+      // Destroying graphs under capture_mu_ (none to destroy: no lock); failed shapes get
+      // another try either way.
+      absl::MutexLockMaybe capture(lane.graphs.empty() ? nullptr : &capture_mu_);
       ClearGraphs(lane);
     }
     lane.graph_arena = lane.arena.get();
