@@ -470,5 +470,62 @@ TEST(ExecutorTest, OverlapMinTokensStartsALargeQueueAtOnce) {
   }
 }
 
+// max_batch_wait waits for a layer's recent demand: a request that arrived while another batch
+// of its layer ran waits for that batch's callers to come back (closed-loop frontends stay in
+// one batch instead of splitting into cohorts), at most max_batch_wait; a lone caller, or a
+// demand older than two windows, never waits.
+TEST(ExecutorTest, MaxBatchWaitWaitsForTheLayersRecentDemand) {
+  LaneBackend backend(/*lanes=*/1, /*overlap=*/1, absl::ZeroDuration());
+  ExpertLayer layer;
+  const absl::Duration wait = absl::Milliseconds(500);
+  Executor executor(&backend, ExecutorOptions{.max_batch_wait = wait});
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  // A lone caller runs at once, however often it comes.
+  const absl::Time lone_start = absl::Now();
+  for (int i = 0; i < 5; ++i) {
+    Item lone(1, 4, 0.f, &layer, 0);
+    ASSERT_TRUE(executor.Run(lone.work).ok());
+  }
+  EXPECT_LT(absl::Now() - lone_start, wait);
+  backend.gated = 6;  // the next Run (a) holds its lane until release
+  Item a(1, 4, 0.f, &layer, 0), b(2, 4, 100.f, &layer, 0);
+  std::thread ta([&] { EXPECT_TRUE(executor.Run(a.work).ok()); });
+  while (backend.started() < 6 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(1));
+  // b arrives while a runs: demand 3 tokens. It does not start with a alone when a ends.
+  std::thread tb([&] { EXPECT_TRUE(executor.Run(b.work).ok()); });
+  while (executor.queued_requests() < 1 && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  backend.release.Notify();
+  ta.join();
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_EQ(backend.started(), 6);  // b still waits
+  // a's caller comes back: b and a2 run as one batch of 3.
+  Item a2(1, 4, 200.f, &layer, 0);
+  EXPECT_TRUE(executor.Run(a2.work).ok());
+  tb.join();
+  EXPECT_EQ(backend.started(), 7);
+  // Nobody else comes: a request under the demand waits max_batch_wait, then runs alone.
+  Item c(2, 4, 300.f, &layer, 0);
+  const absl::Time c_start = absl::Now();
+  EXPECT_TRUE(executor.Run(c.work).ok());
+  const absl::Duration c_took = absl::Now() - c_start;
+  EXPECT_GE(c_took, wait - absl::Milliseconds(50));  // the wait counts from c's arrival
+  EXPECT_LT(c_took, absl::Seconds(10));
+  // Two windows later the demand is forgotten: no wait.
+  absl::SleepFor(absl::Milliseconds(60));
+  Item d(1, 4, 400.f, &layer, 0);
+  const absl::Time d_start = absl::Now();
+  EXPECT_TRUE(executor.Run(d.work).ok());
+  EXPECT_LT(absl::Now() - d_start, wait);
+  EXPECT_EQ(backend.batch_tokens, (std::vector<int64_t>{1, 1, 1, 1, 1, 1, 3, 2, 1}));
+  for (const Item* item : {&a, &b, &a2, &c, &d}) {
+    for (int64_t i = 0; i < item->hidden.NumElements(); ++i) {
+      ASSERT_EQ(item->out.data<float>()[i], item->hidden.data<float>()[i] * 2);
+    }
+  }
+  EXPECT_EQ(executor.stats().merged_batches, 1u);
+}
+
 }  // namespace
 }  // namespace moe
