@@ -122,8 +122,8 @@ ABSL_FLAG(int64_t, max_batch_tokens, 1 << 20,
           "in-process shard: token budget of one merged executor batch (moe_shard "
           "--max_batch_tokens); the tokens per request turns cross-request batching off");
 ABSL_FLAG(int64_t, max_batch_wait_us, 0,
-          "in-process shard: how long an under-budget batch may wait for the rest of its "
-          "layer's recent demand (moe_shard --max_batch_wait_us)");
+          "in-process shard: how long the executor may wait for more requests before running an "
+          "under-budget batch (moe_shard --max_batch_wait_us)");
 ABSL_FLAG(int64_t, overlap_min_tokens, -1,
           "in-process shard's executor: queued tokens of a running layer that start another of "
           "its batches on a free lane (moe_shard --overlap_min_tokens); -1: its default (32)");

@@ -94,14 +94,8 @@ absl::Status Executor::Run(const WorkItem& item) {
   Pending pending{&item};
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("shard executor is shutting down");
-  const int64_t tokens = item.hidden.dim(0);
-  bool expects_more = false;  // the layer's recent demand is more than this request
-  if (options_.max_batch_wait > absl::ZeroDuration()) {
-    pending.queued = absl::Now();
-    NoteDemand(item, pending.queued);
-    expects_more = WaitTarget(item, pending.queued) > tokens;
-  }
-  if (queue_.empty() && running_ < lanes_ && !expects_more && MayStart(item, tokens)) {
+  if (queue_.empty() && running_ < lanes_ && options_.max_batch_wait <= absl::ZeroDuration() &&
+      MayStart(item, item.hidden.dim(0))) {
     // The backend has a free lane and nobody waits to be merged with: run on this thread.
     // Handing the item to a worker would cost two thread wake-ups (tens of microseconds on a
     // busy host), more than a one-token decode step's transfer.
@@ -119,51 +113,10 @@ bool Executor::MayStart(const WorkItem& item, int64_t queued_tokens) const {
   if (queued_tokens >= std::min(options_.max_batch_tokens, options_.overlap_min_tokens)) {
     return true;
   }
-  for (const RunningBatch& running : running_batches_) {
-    if (SameBatch(*running.lead, item)) return false;
+  for (const WorkItem* lead : running_leads_) {
+    if (SameBatch(*lead, item)) return false;
   }
   return true;
-}
-
-int64_t Executor::QueuedTokens(const WorkItem& item) const {
-  int64_t tokens = 0;
-  for (const Pending* p : queue_) {
-    if (SameBatch(item, *p->item)) tokens += p->item->hidden.dim(0);
-  }
-  return tokens;
-}
-
-void Executor::NoteDemand(const WorkItem& item, absl::Time now) {
-  if (item.hidden_on_device || item.out_on_device) return;  // runs alone: no kind to wait for
-  int64_t sample = item.hidden.dim(0) + QueuedTokens(item);
-  for (const RunningBatch& running : running_batches_) {
-    if (SameBatch(*running.lead, item)) sample += running.tokens;
-  }
-  auto it = std::find_if(demands_.begin(), demands_.end(),
-                         [&](const Demand& d) { return SameBatch(d.kind, item); });
-  if (it == demands_.end()) {
-    // Kinds not seen for two windows are forgotten (layers replaced, frontends gone).
-    std::erase_if(demands_,
-                  [&](const Demand& d) { return now - d.window_start >= 2 * kDemandWindow; });
-    demands_.push_back(Demand{.kind = item, .window_start = now});
-    it = std::prev(demands_.end());
-  } else if (now - it->window_start >= kDemandWindow) {
-    it->previous = now - it->window_start < 2 * kDemandWindow ? it->current : 0;
-    it->current = 0;
-    it->window_start = now;
-  }
-  it->current = std::max(it->current, sample);
-}
-
-int64_t Executor::WaitTarget(const WorkItem& item, absl::Time now) const {
-  const auto it = std::find_if(demands_.begin(), demands_.end(),
-                               [&](const Demand& d) { return SameBatch(d.kind, item); });
-  if (it == demands_.end()) return 0;
-  const absl::Duration age = now - it->window_start;
-  const int64_t demand = age >= 2 * kDemandWindow ? 0
-                         : age >= kDemandWindow   ? it->current
-                                                  : std::max(it->current, it->previous);
-  return std::min(demand, options_.max_batch_tokens);
 }
 
 std::deque<Executor::Pending*>::iterator Executor::NextStartable() {
@@ -231,24 +184,12 @@ void Executor::WorkerLoop() {
         },
         this));
     if (queue_.empty()) return;  // stopping with nothing left
-    if (options_.max_batch_wait > absl::ZeroDuration()) {
-      // Under the layer's recent demand: wait for the rest of it, at most max_batch_wait after
-      // the oldest request's arrival.
-      const Pending* lead = *NextStartable();
-      struct Wait {
-        Executor* executor;
-        WorkItem kind;  // a copy: `lead` may be taken and answered meanwhile
-        int64_t target;
-      } wait{this, *lead->item, WaitTarget(*lead->item, absl::Now())};
-      if (QueuedTokens(wait.kind) < wait.target) {
-        mu_.AwaitWithDeadline(absl::Condition(
-                                  +[](Wait* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                                    return w->executor->stopping_ ||
-                                           w->executor->QueuedTokens(w->kind) >= w->target;
-                                  },
-                                  &wait),
-                              lead->queued + options_.max_batch_wait);
-      }
+    if (options_.max_batch_wait > absl::ZeroDuration() && queue_.size() == 1) {
+      mu_.AwaitWithTimeout(
+          absl::Condition(
+              +[](Executor* e) ABSL_NO_THREAD_SAFETY_ANALYSIS { return e->queue_.size() > 1; },
+              this),
+          options_.max_batch_wait);
     }
     // Meanwhile another worker may have taken the queue, or every lane.
     const auto lead = NextStartable();
@@ -261,16 +202,16 @@ void Executor::WorkerLoop() {
 void Executor::RunLocked(std::vector<Pending*>& batch) {
   DropExpired(batch);
   if (batch.empty()) return;
-  uint64_t tokens = 0;
-  for (Pending* p : batch) tokens += p->item->hidden.dim(0);
   ++running_;
-  running_batches_.push_back({batch[0]->item, static_cast<int64_t>(tokens)});
+  running_leads_.push_back(batch[0]->item);
   MergeBuffers* merge = merge_free_.back();  // one per lane: never empty here
   merge_free_.pop_back();
   mu_.Unlock();
   const absl::Time start = absl::Now();
   const absl::Status status = RunBatch(batch, *merge);
   const absl::Duration compute = absl::Now() - start;
+  uint64_t tokens = 0;
+  for (Pending* p : batch) tokens += p->item->hidden.dim(0);
   // Outside the lock: the observer must not delay callers queueing their next requests.
   if (options_.observer != nullptr) {
     options_.observer->OnBatch(static_cast<int64_t>(tokens), static_cast<int64_t>(batch.size()),
@@ -279,9 +220,7 @@ void Executor::RunLocked(std::vector<Pending*>& batch) {
   mu_.Lock();
   merge_free_.push_back(merge);
   --running_;
-  running_batches_.erase(std::find_if(
-      running_batches_.begin(), running_batches_.end(),
-      [&](const RunningBatch& running) { return running.lead == batch[0]->item; }));
+  running_leads_.erase(std::find(running_leads_.begin(), running_leads_.end(), batch[0]->item));
   Account(batch, status, compute);
 }
 

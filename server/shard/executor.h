@@ -38,12 +38,8 @@ inline constexpr int64_t kDefaultOverlapMinTokens = 32;
 struct ExecutorOptions {
   // Upper bound on tokens merged into one batch (a single larger request still runs alone).
   int64_t max_batch_tokens = 8192;
-  // How long a batch under budget may wait, counted from its oldest request's arrival, for more
-  // requests of its layer. It waits only for the layer's recent demand: the most tokens of that
-  // layer seen queued and running at once in the last 25-50 ms (capped by max_batch_tokens), so
-  // that frontends answered together (a closed loop) come back into one batch instead of
-  // splitting into cohorts; a lone frontend never waits. 0: merge only what is already queued (no
-  // added latency).
+  // How long the worker may wait for more requests of the same layer before running a batch
+  // that is under budget. 0: merge only what is already queued (no added latency).
   absl::Duration max_batch_wait = absl::ZeroDuration();
   // With a backend that runs several batches at once: a free lane starts another batch of a
   // layer whose batch is running only once that layer's queued requests hold this many tokens
@@ -107,22 +103,7 @@ class Executor {
     const WorkItem* item;
     absl::Status status;
     bool done = false;
-    absl::Time queued = absl::InfinitePast();
   };
-  // A batch in progress: its first item (alive until the batch is answered) and its tokens.
-  struct RunningBatch {
-    const WorkItem* lead;
-    int64_t tokens;
-  };
-  // The most tokens of one kind of batch (SameBatch) seen queued and running at once: the maximum
-  // of the current window and the one before it (kDemandWindow each).
-  struct Demand {
-    WorkItem kind;  // its views' shapes and flags only; their data may be gone
-    absl::Time window_start = absl::InfinitePast();
-    int64_t current = 0;
-    int64_t previous = 0;
-  };
-  static constexpr absl::Duration kDemandWindow = absl::Milliseconds(25);
 
   void WorkerLoop();
   // Whether a batch led by `item` may start now, as far as batches running go: none of its kind
@@ -131,15 +112,6 @@ class Executor {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The first queued request that may lead a batch now (MayStart), or queue_.end().
   std::deque<Pending*>::iterator NextStartable() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Queued tokens of `item`'s kind (SameBatch), `item` itself not counted unless queued.
-  int64_t QueuedTokens(const WorkItem& item) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Records `item`'s arrival in its kind's demand: its tokens, the queued and the running ones
-  // of its kind (max_batch_wait > 0 only).
-  void NoteDemand(const WorkItem& item, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The tokens a batch of `item`'s kind waits for (max_batch_wait > 0): its recent demand, at
-  // most max_batch_tokens.
-  int64_t WaitTarget(const WorkItem& item, absl::Time now) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Pops `lead` and every queued request that can share its batch.
   std::vector<Pending*> TakeBatch(std::deque<Pending*>::iterator lead)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -182,8 +154,7 @@ class Executor {
   // Batches running (on the workers, or inline on callers' threads): at most lanes_; and the
   // first item of each (alive until its batch is answered).
   int running_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<RunningBatch> running_batches_ ABSL_GUARDED_BY(mu_);
-  std::vector<Demand> demands_ ABSL_GUARDED_BY(mu_);
+  std::vector<const WorkItem*> running_leads_ ABSL_GUARDED_BY(mu_);
   ExecutorStats stats_ ABSL_GUARDED_BY(mu_);
   ExecutorStats taken_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> workers_;

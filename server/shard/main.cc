@@ -46,10 +46,8 @@ ABSL_FLAG(int, cuda_concurrent_runs, 0,
 ABSL_FLAG(int, rank, -1, "rank to request from the coordinator; -1 takes any free rank");
 ABSL_FLAG(int64_t, max_batch_tokens, 8192, "token budget of one merged executor batch");
 ABSL_FLAG(int, max_batch_wait_us, 0,
-          "how long a batch may wait, from its oldest request's arrival, for the rest of its "
-          "layer's recent demand (the most tokens of that layer queued and running at once in "
-          "the last 25-50 ms), so that frontends answered together merge again; a lone "
-          "frontend never waits (0: merge only what is already queued)");
+          "how long the executor waits for more requests of the same layer (0: merge only what "
+          "is already queued)");
 ABSL_FLAG(int64_t, overlap_min_tokens, moe::kDefaultOverlapMinTokens,
           "with --cuda_concurrent_runs > 1: another batch of a layer whose batch is running "
           "starts on a free lane only once that layer's queued requests hold this many tokens "
