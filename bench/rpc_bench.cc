@@ -126,7 +126,7 @@ ABSL_FLAG(int64_t, max_batch_wait_us, 0,
           "under-budget batch (moe_shard --max_batch_wait_us)");
 ABSL_FLAG(int64_t, overlap_min_tokens, -1,
           "in-process shard's executor: queued tokens of a running layer that start another of "
-          "its batches on a free lane (moe_shard --overlap_min_tokens); -1: its default (32)");
+          "its batches on a free lane (moe_shard --overlap_min_tokens); -1: its default (128)");
 ABSL_FLAG(double, seconds, 1.0, "timed seconds per case (at least 3 calls per client)");
 ABSL_FLAG(int64_t, max_inflight_mib, 128, "skip cases where clients * payload exceeds this");
 ABSL_FLAG(std::string, backend, "cpu",

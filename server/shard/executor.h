@@ -30,10 +30,12 @@
 
 namespace moe {
 
-// ExecutorOptions::overlap_min_tokens by default: on the H200 (problem C shape, two CUDA lanes)
-// it served 8 clients x 16 tokens ~15% faster than one lane and than 0 or 512, and 64 x 16 ~20%
-// faster than one lane (bench/results/rpc_bench_h200_20261202_overlap_sweep.json).
-inline constexpr int64_t kDefaultOverlapMinTokens = 32;
+// ExecutorOptions::overlap_min_tokens by default. On the H200 (two CUDA lanes, 16-token requests,
+// bench/results/rpc_bench_h200_20261202b_overlap_A_C.json) 128 against 32: problem A's shape
+// +15-20% at 8 clients (two of its batches at once read its 1.7 GB of weights twice) and +5-7% at
+// 64; problem C's shape +6-9% at 64 clients, even over the shared-memory channel at 8 and -13%
+// over TCP at 8 (there overlapping the host work of small batches paid).
+inline constexpr int64_t kDefaultOverlapMinTokens = 128;
 
 struct ExecutorOptions {
   // Upper bound on tokens merged into one batch (a single larger request still runs alone).
