@@ -149,6 +149,7 @@ class CudaExpertBackend final : public ExpertBackend {
       n.fused_layer_launches += lane->runner.fused_layer_launches();
       n.item_ready_launches += lane->runner.item_ready_launches();
     }
+    LanesFreed();
     absl::MutexLock registered(&registered_mu_);
     n.registered_bytes = static_cast<int64_t>(registered_total_);
     return n;
@@ -274,8 +275,10 @@ class CudaExpertBackend final : public ExpertBackend {
     CudaBackendCounters counters ABSL_GUARDED_BY(mu);
     std::vector<cudaEvent_t> copy_events ABSL_GUARDED_BY(mu);  // one per output piece
   };
-  // A free lane, locked (the first one free; when all are busy, the next in turn, waited for).
+  // A free lane, locked: the first one free; when all are busy, the first to be released.
   Lane& AcquireLane() ABSL_NO_THREAD_SAFETY_ANALYSIS;
+  // Wakes AcquireLane's waiters: called after a lane's mutex was unlocked.
+  void LanesFreed() const;
   // Grows the lane's device arena to `bytes_needed` and, when `pinned`, its pinned buffer too
   // (under capture_mu_; nothing to do, and no lock, once they are large enough).
   absl::Status GrowBuffers(Lane& lane, size_t bytes_needed, bool pinned)
@@ -385,7 +388,10 @@ class CudaExpertBackend final : public ExpertBackend {
       ABSL_GUARDED_BY(layers_mu_);
   // CudaBackendOptions::concurrent_runs lanes (fixed after construction).
   std::vector<std::unique_ptr<Lane>> lanes_;
-  std::atomic<uint64_t> next_lane_{0};
+  // Lane releases so far: AcquireLane waits for the count to move when every lane was busy.
+  // Bumped (LanesFreed) after every unlock of a lane's mutex outside the destructor.
+  mutable absl::Mutex lane_free_mu_;
+  mutable uint64_t lane_releases_ ABSL_GUARDED_BY(lane_free_mu_) = 0;
   std::atomic<int> runs_in_progress_{0};  // Runs holding a lane
   bool can_map_host_ = false;  // cudaDevAttrCanMapHostMemory
   std::atomic<uint64_t> layers_generation_{0};
@@ -803,6 +809,7 @@ absl::Status CudaExpertBackend::RunImpl(int layer_index, const ExpertLayer& laye
   const absl::Cleanup release = [this, &lane]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     runs_in_progress_.fetch_sub(1);
     lane.mu.Unlock();
+    LanesFreed();
   };
   if (absl::Status s = CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice"); !s.ok()) {
     return s;
@@ -1008,12 +1015,32 @@ absl::Status CudaExpertBackend::GrowBuffers(Lane& lane, size_t bytes_needed, boo
 }
 
 CudaExpertBackend::Lane& CudaExpertBackend::AcquireLane() {
-  for (const std::unique_ptr<Lane>& lane : lanes_) {
-    if (lane->mu.TryLock()) return *lane;
+  while (true) {
+    // Releases counted before the scan: one after it shows in the count, so none is missed.
+    uint64_t seen = 0;
+    {
+      absl::MutexLock lock(&lane_free_mu_);
+      seen = lane_releases_;
+    }
+    for (const std::unique_ptr<Lane>& lane : lanes_) {
+      if (lane->mu.TryLock()) return *lane;
+    }
+    struct Seen {
+      const CudaExpertBackend* backend;
+      uint64_t releases;
+    } wait{this, seen};
+    absl::MutexLock lock(&lane_free_mu_);
+    lane_free_mu_.Await(absl::Condition(
+        +[](Seen* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+          return w->backend->lane_releases_ != w->releases;
+        },
+        &wait));
   }
-  Lane& lane = *lanes_[next_lane_.fetch_add(1, std::memory_order_relaxed) % lanes_.size()];
-  lane.mu.Lock();
-  return lane;
+}
+
+void CudaExpertBackend::LanesFreed() const {
+  absl::MutexLock lock(&lane_free_mu_);
+  ++lane_releases_;
 }
 
 void CudaExpertBackend::Add(const CudaBackendCounters& a, CudaBackendCounters& sum) {
@@ -1083,7 +1110,9 @@ absl::Status CudaExpertBackend::RegisterHostMemory(void* data, size_t bytes) {
 
 void CudaExpertBackend::UnregisterHostMemory(void* data) {
   // Every lane first (in order; a Run holds one): a Run in progress may be reading or writing the
-  // range; later ones no longer find it.
+  // range; later ones no longer find it. Runs waiting for a lane are woken once they are released
+  // (the cleanup runs after `runs` is destroyed).
+  const absl::Cleanup freed = [this] { LanesFreed(); };
   std::vector<std::unique_ptr<absl::MutexLock>> runs;
   for (const std::unique_ptr<Lane>& lane : lanes_) {
     runs.push_back(std::make_unique<absl::MutexLock>(&lane->mu));
