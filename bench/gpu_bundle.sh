@@ -20,7 +20,8 @@
 # larger than the archive stores the repeated fatbin once (~16 MB, against ~60 MB with xz's
 # default 8 MiB dictionary; unpacking needs ~200 MB of memory). `make` refuses an archive over
 # the tool's 64 MiB transfer limit (name fewer targets).
-# Each step of `run` is bounded by `timeout` so one hang cannot eat the whole call.
+# Each step of `run` is bounded by `timeout` so one hang cannot eat the whole call. PACK=1 packs
+# $OUT into one out.tgz at the end (set it on the device tool: it returns at most 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 B="${BUNDLE_DIR:-.bundle}"
@@ -172,6 +173,17 @@ run_bundle() {
         "$out/ncu_T$t.txt" | head -40
     done
   fi
+  pack_out "$out"
+}
+
+# PACK=1: everything written under the output folder goes into one archive there, out.tgz, and
+# the loose files are removed (the device tool brings back at most 8 files per call, and drops the
+# rest without telling which it would have kept).
+pack_out() {
+  local out="$1"
+  [[ "${PACK:-0}" == 1 ]] || return 0
+  tar czf /tmp/moe_out.tgz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/moe_out.tgz "$out"/out.tgz
+  echo "packed into $out/out.tgz"
 }
 
 case "$mode" in

@@ -15,6 +15,7 @@
 # bazel-bin/deploy/moe-serve-bundle.tar.gz .bundle-rel`, then carry .bundle-rel and this script
 # to the GPU machine. Logs go to $OUT (default /tmp/out). Exits 1 when a workload fails.
 # SHARD_FLAGS="--cuda_concurrent_runs=1 ..." adds flags to both serving shards (A/B runs).
+# PACK=1 packs the logs into one $OUT/out.tgz at the end (the device tool returns at most 8 files).
 set -u
 bundle="${1:-$(ls .bundle-rel/moe-serve-*.tar.gz 2> /dev/null | head -1)}"
 [[ -f "$bundle" ]] || { echo "usage: $0 [moe-serve bundle .tar.gz]" >&2; exit 2; }
@@ -114,4 +115,8 @@ for fmt in mxfp4 nvfp4; do
   kill $(jobs -p) 2> /dev/null
   wait 2> /dev/null
 done
+# PACK=1: the logs go into one archive, $OUT/out.tgz (the device tool returns at most 8 files).
+if [[ "${PACK:-0}" == 1 ]]; then
+  tar czf /tmp/moe_e2e_out.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/moe_e2e_out.tgz "$OUT"/out.tgz
+fi
 exit $failed
