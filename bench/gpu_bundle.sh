@@ -180,9 +180,10 @@ run_bundle() {
 # the loose files are removed (the device tool brings back at most 8 files per call, and drops the
 # rest without telling which it would have kept).
 pack_out() {
-  local out="$1"
+  local out="$1" archive
   [[ "${PACK:-0}" == 1 ]] || return 0
-  tar czf /tmp/moe_out.tgz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/moe_out.tgz "$out"/out.tgz
+  archive=$(mktemp --suffix=.tgz) && tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* &&
+    mv "$archive" "$out"/out.tgz
   echo "packed into $out/out.tgz"
 }
 

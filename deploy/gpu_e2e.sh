@@ -21,6 +21,14 @@ bundle="${1:-$(ls .bundle-rel/moe-serve-*.tar.gz 2> /dev/null | head -1)}"
 [[ -f "$bundle" ]] || { echo "usage: $0 [moe-serve bundle .tar.gz]" >&2; exit 2; }
 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
+# PACK=1: on any exit the logs go into one archive, $OUT/out.tgz (the device tool returns at most
+# 8 files).
+pack_out() {
+  local archive
+  archive=$(mktemp --suffix=.tgz) && tar czf "$archive" -C "$OUT" . && rm -rf "${OUT:?}"/* &&
+    mv "$archive" "$OUT"/out.tgz
+}
+[[ "${PACK:-0}" == 1 ]] && trap pack_out EXIT
 root=$(mktemp -d)
 tar xzf "$bundle" -C "$root"
 cd "$root"/moe-serve-* || exit 2
@@ -115,8 +123,4 @@ for fmt in mxfp4 nvfp4; do
   kill $(jobs -p) 2> /dev/null
   wait 2> /dev/null
 done
-# PACK=1: the logs go into one archive, $OUT/out.tgz (the device tool returns at most 8 files).
-if [[ "${PACK:-0}" == 1 ]]; then
-  tar czf /tmp/moe_e2e_out.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/moe_e2e_out.tgz "$OUT"/out.tgz
-fi
 exit $failed
