@@ -38,10 +38,6 @@ ABSL_FLAG(std::vector<std::string>, formats, std::vector<std::string>({"mxfp8", 
 ABSL_FLAG(int, reps, 50, "graph replays timed at 4096 tokens");
 ABSL_FLAG(bool, small, true, "also time 1, 8 and 64 tokens");
 ABSL_FLAG(bool, sweep, false, "also time MXFP8 blocks of 256, 512 and 1024 threads at 4096 tokens");
-ABSL_FLAG(std::vector<std::string>, nvfp4_variants,
-          std::vector<std::string>({"1:0", "1:-1", "1:330", "1:1320", "2:0", "2:-1", "3:-1"}),
-          "NVFP4 variants also timed one by one beside the default, each KERNEL:ROWS_AHEAD "
-          "(StagingParams::nvfp4_kernel, nvfp4_rows_ahead)");
 
 namespace moe::bench {
 namespace {
@@ -99,13 +95,6 @@ std::unique_ptr<StagingSet> MakeSet(StagingFormat format, int64_t tokens,
   p.load_size = kSlots;
   p.num_unpadded = static_cast<int32_t>(tokens);
   return s;
-}
-
-// "KERNEL:ROWS_AHEAD" -> StagingParams::nvfp4_kernel, nvfp4_rows_ahead.
-void SetNvfp4Variant(const std::string& spec, StagingParams& p) {
-  const size_t colon = spec.find(':');
-  p.nvfp4_kernel = std::stoi(spec.substr(0, colon));
-  p.nvfp4_rows_ahead = colon == std::string::npos ? -1 : std::stoi(spec.substr(colon + 1));
 }
 
 // Median microseconds per launch: a graph of `copies` passes over `sets`, replayed `reps` times.
@@ -208,22 +197,6 @@ int Main() {
         set->params.programmatic = true;
       }
     }
-    // The NVFP4 kernels one by one, in alternating rounds (two), so that drift between them shows.
-    nlohmann::json kernel_sweep = nlohmann::json::object();
-    if (format == StagingFormat::kNvfp4) {
-      for (int round = 0; round < 2; ++round) {
-        for (const std::string& v : absl::GetFlag(FLAGS_nvfp4_variants)) {
-          for (auto& set : big) SetNvfp4Variant(v, set->params);
-          const double t = TimeLaunches(big, 1, absl::GetFlag(FLAGS_reps), stream);
-          std::printf("nvfp4 4096 x %lld, kernel:rows_ahead %s, round %d: %8.2f us, %.1f%% of "
-                      "copy bandwidth\n",
-                      static_cast<long long>(kHidden), v.c_str(), round, t,
-                      100 * bytes / (t * 1e-6) / copy_bw);
-          kernel_sweep[v].push_back(t);
-        }
-      }
-      for (auto& set : big) SetNvfp4Variant("0:-1", set->params);
-    }
     const double rate = bytes / (us * 1e-6);
     std::printf("%s 4096 x %lld + remap + load: %8.2f us, %.1f MB, %.3f TB/s = %.1f%% of copy "
                 "bandwidth (target >= 80%%) %s\n",
@@ -235,7 +208,6 @@ int Main() {
     points.push_back({{"format", name}, {"tokens", 4096}, {"hidden", kHidden},
                       {"median_us_per_launch", us}, {"median_us_per_launch_no_pdl", plain_us},
                       {"mxfp8_block_threads_sweep_us", block_sweep},
-                      {"nvfp4_kernel_sweep_us", kernel_sweep},
                       {"bytes", bytes},
                       {"TBps", rate / 1e12}, {"fraction_of_copy_bw", rate / copy_bw},
                       {"target_fraction", 0.8}});
@@ -260,21 +232,7 @@ int Main() {
         }
         one[0]->params.mxfp8_block_threads = 0;
       }
-      nlohmann::json small_sweep = nlohmann::json::object();
-      if (format == StagingFormat::kNvfp4) {
-        for (const std::string& v : absl::GetFlag(FLAGS_nvfp4_variants)) {
-          SetNvfp4Variant(v, one[0]->params);
-          const double t1 = TimeLaunches(one, 1, 200, stream);
-          const double t32 = TimeLaunches(one, 32, 50, stream);
-          std::printf("nvfp4 T=%2lld, kernel:rows_ahead %s: graph of one launch %.2f us; "
-                      "back-to-back %.2f us per launch\n",
-                      static_cast<long long>(tokens), v.c_str(), t1, t32);
-          small_sweep[v] = {t1, t32};
-        }
-        SetNvfp4Variant("0:-1", one[0]->params);
-      }
       points.push_back({{"format", name}, {"tokens", tokens}, {"hidden", kHidden},
-                        {"nvfp4_kernel_sweep_us", small_sweep},
                         {"graph_of_one_launch_median_us", single},
                         {"back_to_back_us_per_launch", chained}, {"target_us", 8}});
     }

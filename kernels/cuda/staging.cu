@@ -135,14 +135,6 @@ __device__ __forceinline__ uint32_t ChunkAbsMax(const uint4& v) {
 // 16-byte load of data read once (evict-first).
 __device__ __forceinline__ uint4 LoadOnce(const uint4* p) { return __ldcs(p); }
 
-// NVFP4 row `t + ahead` into L2 (StagingParams::nvfp4_rows_ahead); one thread per row calls it.
-__device__ __forceinline__ void PrefetchRowAhead(const StagingParams& p, int64_t t, int ahead) {
-  if (ahead <= 0 || t + ahead >= p.tokens) return;
-  const uint32_t bytes = static_cast<uint32_t>(p.hidden_size) * 2;
-  const uint16_t* row = p.x + (t + ahead) * p.hidden_size;
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row), "r"(bytes) : "memory");
-}
-
 // ---- E4M3.
 
 // FloatToE4m3 of formats.cc: saturating, round half to even on the E4M3 grid, NaN -> 0x7F.
@@ -259,7 +251,7 @@ __device__ __forceinline__ void ProgrammaticStart() {
 // aligned 16-lane span is one scale word of one row and is valid or invalid as a whole).
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads)
-    StageMxfp8Kernel(const StagingParams p, int remap_blocks, int /*rows_ahead: NVFP4 only*/) {
+    StageMxfp8Kernel(const StagingParams p, int remap_blocks) {
   ProgrammaticStart();
   if (static_cast<int>(blockIdx.x) < remap_blocks) {
     RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
@@ -490,14 +482,13 @@ __device__ __forceinline__ void QuantizeNvfp4Tile(const Nvfp4RowOut& out, const 
 
 // Block size: one warp per kNvfp4WarpChunks chunks of the row, at most kNvfp4MaxThreads.
 __global__ void __maxnreg__(kNvfp4Registers)
-    StageNvfp4Kernel(const StagingParams p, int remap_blocks, int rows_ahead) {
+    StageNvfp4Kernel(const StagingParams p, int remap_blocks) {
   ProgrammaticStart();
   if (static_cast<int>(blockIdx.x) < remap_blocks) {
     RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
     return;
   }
   const int64_t t = blockIdx.x - remap_blocks;
-  if (threadIdx.x == 0) PrefetchRowAhead(p, t, rows_ahead);
   const int chunks = p.hidden_size / 8;
   const uint4* row = reinterpret_cast<const uint4*>(p.x) + t * chunks;
   const int tile_chunks = static_cast<int>(blockDim.x / 32) * kNvfp4WarpChunks;
@@ -520,110 +511,6 @@ __global__ void __maxnreg__(kNvfp4Registers)
   }
 }
 
-// ---- NVFP4, one warp per token row (StagingParams::nvfp4_kernel 2).
-//
-// Lane i owns groups i, i + 32, ... of the row whole: two adjacent 16-byte loads each (the pair of
-// load instructions reads 1 KB of the row contiguously). The row stays in registers from its
-// loads to its encode, so a row is read once, and a warp needs no block barrier, no half-group
-// exchange and no other warp: its amax is five shuffles, its scale table is its own (built by its
-// 32 lanes, ordered by __syncwarp), and every per-row cost is spread over 14 groups per lane
-// instead of 2 (H = 7168) for the one-block-per-row kernel.
-
-constexpr int kNvfp4RowWarps = 2;  // rows (warps) per block
-
-// Group maxima kept as BF16 magnitudes, two per word (group k in half k % 2 of word k / 2).
-__device__ __forceinline__ float GroupMaxAt(const uint32_t* packed, int k) {
-  const uint32_t w = packed[k / 2];
-  return __uint_as_float(k % 2 == 0 ? w << 16 : (w & 0xFFFF0000u));
-}
-
-// kMinBlocks: the launch bounds' blocks per SM (a register cap; 0: none).
-template <int kLaneGroups, int kMinBlocks>
-__global__ void __launch_bounds__(32 * kNvfp4RowWarps, kMinBlocks)
-    StageNvfp4WarpRowKernel(const StagingParams p, int remap_blocks, int rows_ahead) {
-  ProgrammaticStart();
-  if (static_cast<int>(blockIdx.x) < remap_blocks) {
-    RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
-    return;
-  }
-  __shared__ Nvfp4ScaleTable tables[kNvfp4RowWarps];
-  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x & 31);
-  const int64_t t = static_cast<int64_t>(blockIdx.x - remap_blocks) * kNvfp4RowWarps + warp;
-  if (t >= p.tokens) return;  // whole warp; nothing below synchronizes more than the warp
-  if (lane == 0) PrefetchRowAhead(p, t, rows_ahead);
-  const int chunks = p.hidden_size / 8;
-  const int groups = chunks / 2;
-  // This lane's first group; group g = 32 k + lane is 64 k chunks further (immediate offsets).
-  const uint4* lane_row = reinterpret_cast<const uint4*>(p.x) + t * chunks + 2 * lane;
-  uint4 v[kLaneGroups][2];
-#pragma unroll
-  for (int k = 0; k < kLaneGroups; ++k) {
-    if (32 * k + lane < groups) {
-      v[k][0] = LoadOnce(lane_row + 64 * k);
-      v[k][1] = LoadOnce(lane_row + 64 * k + 1);
-    } else {
-      v[k][0] = v[k][1] = make_uint4(0, 0, 0, 0);
-    }
-  }
-  // Group maxima as in LoadNvfp4Tile (an all-NaN group gives 0, like the CPU's amax); the lanes
-  // past the row hold zeros, which leave the row's amax unchanged.
-  uint32_t group_max[(kLaneGroups + 1) / 2];
-  float amax = 0.f;
-#pragma unroll
-  for (int k = 0; k < kLaneGroups; ++k) {
-    const float m =
-        fmaxf(LargerHalf(MaxBf16x2(ChunkAbsMax(v[k][0]), ChunkAbsMax(v[k][1]))), 0.f);
-    amax = fmaxf(amax, m);
-    const uint32_t bits = __float_as_uint(m) >> 16;  // a BF16 value: exact
-    group_max[k / 2] = k % 2 == 0 ? bits : (group_max[k / 2] | bits << 16);
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, o));
-  const float x_scale = __fdiv_rn(fmaxf(amax, FLT_MIN), 2688.f);
-  if (lane == 0) p.token_scale[t] = x_scale;
-  const float sf_denominator = __fmul_rn(6.f, x_scale);
-  Nvfp4ScaleTable& table = tables[warp];
-  for (int b = lane; b < 128; b += 32) {
-    const float unit = __fmul_rn(E4m3Decode(static_cast<uint32_t>(b)), x_scale);
-    table.keep[b] = unit > 0.f ? kFull : 0u;
-    table.u[b] = GroupThresholds(unit);
-  }
-  __syncwarp();
-  uint2* q = reinterpret_cast<uint2*>(p.q + t * (chunks * 4));
-  uint8_t* scale_bytes = reinterpret_cast<uint8_t*>(p.scales + t * (chunks / 8));
-#pragma unroll
-  for (int k = 0; k < kLaneGroups; ++k) {
-    const int g = 32 * k + lane;
-    if (g >= groups) break;  // the last groups of the row: lanes past it are done
-    const uint32_t sf_bits =
-        E4m3x2(__fdiv_rn(GroupMaxAt(group_max, k), sf_denominator), 0.f) & 0xFFu;
-    // A set sign bit (-0, -NaN) gives a unit that is not positive: no codes.
-    const uint32_t index = sf_bits & 0x7Fu;
-    const uint32_t keep = sf_bits < 0x80u ? table.keep[index] : 0u;
-    const E2m1Thresholds u = table.u[index];
-    q[g] = make_uint2(EncodeE2m1Chunk(RePair(v[k][0]), u) & keep,
-                      EncodeE2m1Chunk(RePair(v[k][1]), u) & keep);
-    scale_bytes[g] = static_cast<uint8_t>(sf_bits);  // byte g % 4 of scale word g / 4
-  }
-}
-
-// kLaneGroups instances of StageNvfp4WarpRowKernel: the first that holds ceil(groups / 32).
-using StagingKernel = void (*)(StagingParams, int, int);
-template <int kMinBlocks>
-StagingKernel Nvfp4WarpRowKernelFor(int hidden_size) {
-  const int lane_groups = (hidden_size / 16 + 31) / 32;
-  if (lane_groups <= 1) return StageNvfp4WarpRowKernel<1, kMinBlocks>;
-  if (lane_groups <= 2) return StageNvfp4WarpRowKernel<2, kMinBlocks>;
-  if (lane_groups <= 4) return StageNvfp4WarpRowKernel<4, kMinBlocks>;
-  if (lane_groups <= 6) return StageNvfp4WarpRowKernel<6, kMinBlocks>;
-  if (lane_groups <= 8) return StageNvfp4WarpRowKernel<8, kMinBlocks>;
-  if (lane_groups <= 10) return StageNvfp4WarpRowKernel<10, kMinBlocks>;
-  if (lane_groups <= 12) return StageNvfp4WarpRowKernel<12, kMinBlocks>;
-  static_assert(kNvfp4WarpRowMaxHidden == 14 * 32 * 16, "one instance per lane-group count");
-  if (lane_groups <= 14) return StageNvfp4WarpRowKernel<14, kMinBlocks>;
-  return nullptr;
-}
-
 }  // namespace
 
 cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
@@ -636,12 +523,7 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   if (mx_threads != 256 && mx_threads != 512 && mx_threads != 1024) return cudaErrorInvalidValue;
   int threads = mx_threads;
   int64_t quant_blocks = 0;
-  const bool warp_rows = nvfp4 && p.nvfp4_kernel >= 2;
-  if (warp_rows && p.hidden_size > kNvfp4WarpRowMaxHidden) return cudaErrorInvalidValue;
-  if (warp_rows) {
-    threads = 32 * kNvfp4RowWarps;
-    if (quantize) quant_blocks = (p.tokens + kNvfp4RowWarps - 1) / kNvfp4RowWarps;
-  } else if (nvfp4) {
+  if (nvfp4) {
     const int warps = (p.hidden_size / 8 + kNvfp4WarpChunks - 1) / kNvfp4WarpChunks;
     threads = 32 * std::min(std::max(warps, 1), kNvfp4MaxThreads / 32);
     if (quantize) quant_blocks = p.tokens;
@@ -662,27 +544,11 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   config.attrs = attr;
   // 1024-thread MXFP8 blocks measured faster without it (a waiting block holds half an SM).
   config.numAttrs = p.programmatic && (nvfp4 || mx_threads != 1024) ? 1 : 0;
-  StagingKernel kernel = warp_rows            ? (p.nvfp4_kernel == 2
-                                                                  ? Nvfp4WarpRowKernelFor<6>(p.hidden_size)
-                                                                  : Nvfp4WarpRowKernelFor<1>(p.hidden_size))
-                                       : nvfp4              ? StageNvfp4Kernel
+  void (*kernel)(StagingParams, int) = nvfp4                ? StageNvfp4Kernel
                                        : mx_threads == 1024 ? StageMxfp8Kernel<1024>
                                        : mx_threads == 512  ? StageMxfp8Kernel<512>
                                                             : StageMxfp8Kernel<256>;
-  int rows_ahead = nvfp4 ? p.nvfp4_rows_ahead : 0;
-  if (rows_ahead < 0) {
-    // The rows resident at once: a block that starts when one of them ends finds its row in L2.
-    int device = 0, sms = 0, blocks = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0) !=
-            cudaSuccess) {
-      (void)cudaGetLastError();
-      blocks = 0;
-    }
-    rows_ahead = sms * blocks * (warp_rows ? kNvfp4RowWarps : 1);
-  }
-  return cudaLaunchKernelEx(&config, kernel, p, remap_blocks, rows_ahead);
+  return cudaLaunchKernelEx(&config, kernel, p, remap_blocks);
 }
 
 }  // namespace moe::cuda

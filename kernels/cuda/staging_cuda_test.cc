@@ -91,13 +91,11 @@ size_t Mismatches(const std::vector<T>& got, const std::vector<T>& want) {
   return n;
 }
 
-// mx_threads: StagingParams::mxfp8_block_threads; programmatic: StagingParams::programmatic;
-// nvfp4_kernel: StagingParams::nvfp4_kernel.
+// mx_threads: StagingParams::mxfp8_block_threads; programmatic: StagingParams::programmatic.
 void CheckCase(StagingFormat format, int64_t tokens, int64_t hidden, uint64_t seed,
-               int mx_threads = 0, bool programmatic = true, int nvfp4_kernel = 0) {
+               int mx_threads = 0, bool programmatic = true) {
   SCOPED_TRACE(testing::Message() << (format == StagingFormat::kMxfp8 ? "MXFP8" : "NVFP4")
-                                  << " T=" << tokens << " H=" << hidden << " seed=" << seed
-                                  << " nvfp4_kernel=" << nvfp4_kernel);
+                                  << " T=" << tokens << " H=" << hidden << " seed=" << seed);
   std::mt19937_64 rng(seed);
   const bool mx = format == StagingFormat::kMxfp8;
   const int64_t q_bytes = mx ? tokens * hidden : tokens * hidden / 2;
@@ -168,7 +166,6 @@ void CheckCase(StagingFormat format, int64_t tokens, int64_t hidden, uint64_t se
   p.num_unpadded = static_cast<int32_t>(num_unpadded);
   p.mxfp8_block_threads = mx_threads;
   p.programmatic = programmatic;
-  p.nvfp4_kernel = nvfp4_kernel;
   ASSERT_TRUE(EnqueueStaging(p, nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
@@ -213,22 +210,6 @@ TEST(StagingCudaTest, Nvfp4MatchesCpuBitForBit) {
   }
 }
 
-// Each NVFP4 kernel on its own: one block per row (1) and one warp per row (2, 3), including rows
-// that end inside a lane round (H = 2880: 180 groups; H = 576: 36) and odd token counts (the
-// last block of two row warps holds one row).
-TEST(StagingCudaTest, Nvfp4KernelsMatchCpuBitForBit) {
-  const uint64_t seed = FreshSeed();
-  for (int kernel : {1, 2, 3}) {
-    for (int64_t tokens : {1, 2, 7, 64, 333, 4096}) {
-      for (int64_t hidden : {128, 576, 2880, 7168}) {
-        CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + tokens * 13 + hidden + kernel,
-                  0, true, kernel);
-      }
-    }
-  }
-  CheckCase(StagingFormat::kNvfp4, 333, 4096, seed + 3, 0, false, 2);  // a plain launch
-}
-
 TEST(StagingCudaTest, RemapOnlyAndRejectsBadHidden) {
   StagingParams p;
   p.format = StagingFormat::kMxfp8;
@@ -240,13 +221,6 @@ TEST(StagingCudaTest, RemapOnlyAndRejectsBadHidden) {
   p.hidden_size = 128;  // outputs missing
   EXPECT_EQ(EnqueueStaging(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
   p.mxfp8_block_threads = 384;  // not a supported block size
-  EXPECT_EQ(EnqueueStaging(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
-  p.mxfp8_block_threads = 0;
-  p.format = StagingFormat::kNvfp4;
-  p.nvfp4_kernel = 4;  // no such kernel
-  EXPECT_EQ(EnqueueStaging(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
-  p.nvfp4_kernel = 2;  // rows longer than the warp kernel takes
-  p.hidden_size = 7168 + 64;
   EXPECT_EQ(EnqueueStaging(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
 }
 

@@ -18,9 +18,6 @@ namespace moe::cuda {
 
 enum class StagingFormat : int { kMxfp8 = 0, kNvfp4 = 1 };
 
-// Longest row StagingParams::nvfp4_kernel = 2 takes (14 groups of 16 per lane).
-inline constexpr int kNvfp4WarpRowMaxHidden = 7168;
-
 struct StagingParams {
   StagingFormat format = StagingFormat::kMxfp8;
   // Quantization input: BF16 [tokens, hidden_size]. MXFP8 needs hidden_size % 128 == 0, NVFP4
@@ -63,16 +60,6 @@ struct StagingParams {
   // Tuning: threads per MXFP8 quantization block, 256, 512 or 1024; 0: the measured best (1024
   // from 2^19 chunks of 8 elements, 256 below).
   int32_t mxfp8_block_threads = 0;
-  // Tuning: the NVFP4 kernel. 0: the measured best for the shape; 1: one block per token row
-  // (its warps split the row; any hidden_size); 2: one warp per row, the whole row in registers
-  // (hidden_size <= kNvfp4WarpRowMaxHidden), registers capped for 6 blocks of 2 warps per SM;
-  // 3: the same without the cap (tuning).
-  int32_t nvfp4_kernel = 0;
-  // Tuning: NVFP4 rows prefetched into L2 ahead of use. A row's first warp asks for row
-  // t + nvfp4_rows_ahead (one bulk prefetch), so that a later block finds its row in L2 instead of
-  // waiting on DRAM while the blocks resident with it compute. -1: the rows resident on the device
-  // at once (blocks per SM x SMs x rows per block); 0: none.
-  int32_t nvfp4_rows_ahead = -1;
 };
 
 // Enqueues the fused staging kernel (one launch). REQUIRES: the Params are consistent (see

@@ -86,15 +86,6 @@ absl::Status EnqueueStaging(const StagingParams& p, cudaStream_t stream) {
                                                    p.mxfp8_block_threads,
                                                    " is not 0, 256, 512 or 1024"));
   }
-  if (p.nvfp4_kernel < 0 || p.nvfp4_kernel > 3) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("staging: nvfp4_kernel ", p.nvfp4_kernel, " is not 0, 1, 2 or 3"));
-  }
-  if (p.nvfp4_kernel >= 2 && p.hidden_size > kNvfp4WarpRowMaxHidden) {
-    return absl::InvalidArgumentError(absl::StrCat("staging: nvfp4_kernel 2 and 3 take rows of at most ",
-                                                   kNvfp4WarpRowMaxHidden, " elements, not ",
-                                                   p.hidden_size));
-  }
   if (absl::Status s = CheckQuantization(p); !s.ok()) return s;
   if (absl::Status s = CheckRemap(p); !s.ok()) return s;
   return CudaStatus(LaunchStaging(p, stream), "staging kernel launch");
