@@ -1,0 +1,189 @@
+// Probe: the streaming floor of problem A at one token. The layer reads 4 experts' weights:
+// GEMM1 8.81 MB each (35.2 MB), then GEMM2 4.41 MB each (17.6 MB), 12.5 us at the 4.23 TB/s copy
+// rate. kernel_bench takes 30.5 us for the whole layer (two grids, programmatic launch), its GEMM1
+// alone 21.4 us and GEMM2 alone 15.7 us. What do the same bytes cost with no arithmetic at all,
+// read by grids of the same shape?
+//   g1 / g2       one grid reading GEMM1's (GEMM2's) bytes of 4 experts
+//   g1;g2         the two grids in stream order
+//   g1;g2 pdl     the second launched programmatically: it reads its weights while the first
+//                 finishes and waits (griddepcontrol.wait) only before its final store
+//   fused         one grid reading both
+// Each grid: 1-8 CTAs of 128 threads per SM, every thread keeps 4, 8 or 16 16-byte loads in
+// flight (streaming, evict-first), one 4-byte store per thread. Experts are drawn at random from 128
+// (1.69 GB), 16 passes per graph, so L2 (60 MB) never holds them; median of 50 replays, us per pass.
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/a1_stream bench/probes/a1_stream.cu
+//   /tmp/a1_stream
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <random>
+#include <type_traits>
+#include <vector>
+
+#define CHECK(x)                                                                              \
+  do {                                                                                        \
+    const cudaError_t e_ = (x);                                                               \
+    if (e_ != cudaSuccess) {                                                                  \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                           \
+    }                                                                                         \
+  } while (0)
+
+constexpr int kExperts = 128, kActive = 4, kPasses = 16, kThreads = 128;
+constexpr int64_t kW13 = 8810 * 1024, kW2 = 4410 * 1024;  // bytes per expert (multiples of 16)
+
+struct Pass {
+  const uint4* part[2 * kActive];  // GEMM1's bytes of the 4 experts, then GEMM2's
+};
+
+// Thread i of the grid reads 16-byte vectors i, i + n, ... of parts [first, first + count) of
+// the pass, each `vectors1` long for GEMM1's parts and `vectors2` for GEMM2's.
+template <int kInFlight>
+__device__ __forceinline__ uint32_t StreamParts(const Pass& pass, int first, int count) {
+  constexpr int64_t v1 = kW13 / 16, v2 = kW2 / 16;
+  int64_t total = 0;
+  for (int p = first; p < first + count; ++p) total += p < kActive ? v1 : v2;
+  const int64_t n = int64_t{gridDim.x} * blockDim.x;
+  uint32_t x = 0;
+  for (int64_t base = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; base < total;
+       base += n * kInFlight) {
+    uint4 v[kInFlight];
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) {
+      int64_t i = base + k * n;
+      v[k] = make_uint4(0, 0, 0, 0);
+      if (i < total) {
+        int p = first;
+        for (;;) {
+          const int64_t len = p < kActive ? v1 : v2;
+          if (i < len) break;
+          i -= len;
+          ++p;
+        }
+        v[k] = __ldcs(pass.part[p] + i);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) x ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
+  }
+  return x;
+}
+
+template <int kGemm, bool kWait, int kInFlight>
+__global__ void __launch_bounds__(kThreads) StreamGemm(Pass pass, uint32_t* out) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  const uint32_t x = StreamParts<kInFlight>(pass, kGemm * kActive, kActive);
+  if constexpr (kWait) asm volatile("griddepcontrol.wait;" ::: "memory");
+  out[blockIdx.x * blockDim.x + threadIdx.x] = x;
+}
+
+template <int kInFlight>
+__global__ void __launch_bounds__(kThreads) StreamFused(Pass pass, uint32_t* out) {
+  out[blockIdx.x * blockDim.x + threadIdx.x] = StreamParts<kInFlight>(pass, 0, 2 * kActive);
+}
+
+int main() {
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  std::vector<uint4*> w13(kExperts), w2(kExperts);
+  for (int e = 0; e < kExperts; ++e) {
+    CHECK(cudaMalloc(&w13[e], kW13));
+    CHECK(cudaMalloc(&w2[e], kW2));
+    CHECK(cudaMemset(w13[e], e, kW13));
+    CHECK(cudaMemset(w2[e], e, kW2));
+  }
+  std::mt19937 rng(5);
+  std::vector<Pass> passes(kPasses);
+  for (Pass& p : passes) {
+    std::vector<int> ids(kExperts);
+    for (int e = 0; e < kExperts; ++e) ids[e] = e;
+    std::shuffle(ids.begin(), ids.end(), rng);
+    for (int a = 0; a < kActive; ++a) {
+      p.part[a] = w13[ids[a]];
+      p.part[kActive + a] = w2[ids[a]];
+    }
+  }
+  uint32_t* out;
+  CHECK(cudaMalloc(&out, size_t{1} << 24));
+  cudaStream_t stream;
+  CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  auto time_us = [&](const std::function<void(const Pass&)>& launch) {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    for (const Pass& p : passes) launch(p);
+    CHECK(cudaStreamEndCapture(stream, &graph));
+    CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    cudaEvent_t a, b;
+    CHECK(cudaEventCreate(&a));
+    CHECK(cudaEventCreate(&b));
+    std::vector<double> us;
+    for (int i = 0; i < 53; ++i) {
+      CHECK(cudaEventRecord(a, stream));
+      CHECK(cudaGraphLaunch(exec, stream));
+      CHECK(cudaEventRecord(b, stream));
+      CHECK(cudaEventSynchronize(b));
+      float ms = 0;
+      CHECK(cudaEventElapsedTime(&ms, a, b));
+      if (i >= 3) us.push_back(ms * 1e3 / kPasses);
+    }
+    std::sort(us.begin(), us.end());
+    CHECK(cudaGraphExecDestroy(exec));
+    CHECK(cudaGraphDestroy(graph));
+    return us[us.size() / 2];
+  };
+  auto launch = [&](auto kernel, int blocks, bool programmatic, const Pass& p) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(blocks);
+    config.blockDim = dim3(kThreads);
+    config.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attr;
+    config.numAttrs = programmatic ? 1 : 0;
+    CHECK(cudaLaunchKernelEx(&config, kernel, p, out));
+  };
+  const double bytes1 = 4.0 * kW13, bytes2 = 4.0 * kW2;
+  auto report = [&](const char* name, double us, double bytes) {
+    std::printf("%-34s %7.2f us  %.2f TB/s\n", name, us, bytes / us / 1e6);
+  };
+  auto sweep = [&](auto in_flight) {
+    constexpr int F = decltype(in_flight)::value;
+    for (int per_sm : {1, 2, 4, 8}) {
+      const int blocks = sms * per_sm;
+      std::printf("%d CTAs of %d threads per SM, %d 16-byte loads in flight per thread (%d KB per "
+                  "SM)\n",
+                  per_sm, kThreads, F, per_sm * kThreads * F * 16 / 1024);
+      report("  g1", time_us([&](const Pass& p) { launch(StreamGemm<0, false, F>, blocks, false, p); }),
+             bytes1);
+      report("  g2", time_us([&](const Pass& p) { launch(StreamGemm<1, false, F>, blocks, false, p); }),
+             bytes2);
+      report("  g1;g2", time_us([&](const Pass& p) {
+               launch(StreamGemm<0, false, F>, blocks, false, p);
+               launch(StreamGemm<1, false, F>, blocks, false, p);
+             }),
+             bytes1 + bytes2);
+      report("  g1;g2 pdl", time_us([&](const Pass& p) {
+               launch(StreamGemm<0, false, F>, blocks, false, p);
+               launch(StreamGemm<1, true, F>, blocks, true, p);
+             }),
+             bytes1 + bytes2);
+      report("  fused", time_us([&](const Pass& p) { launch(StreamFused<F>, blocks, false, p); }),
+             bytes1 + bytes2);
+    }
+  };
+  for (int round = 0; round < 2; ++round) {
+    std::printf("round %d (%d SMs)\n", round, sms);
+    sweep(std::integral_constant<int, 4>());
+    sweep(std::integral_constant<int, 8>());
+    sweep(std::integral_constant<int, 16>());
+  }
+  return 0;
+}
