@@ -13,7 +13,8 @@
 // (1.69 GB), 16 passes per graph, so L2 (60 MB) never holds them; median of 50 replays, us per pass.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/a1_stream bench/probes/a1_stream.cu
-//   /tmp/a1_stream
+//   /tmp/a1_stream          (the steady-state sweep, then the one-token forms)
+//   /tmp/a1_stream large    (the steady-state sweep only: A 64's 1.47 GB in one grid)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -82,12 +83,33 @@ __global__ void __launch_bounds__(kThreads) StreamGemm(Pass pass, uint32_t* out)
   out[blockIdx.x * blockDim.x + threadIdx.x] = x;
 }
 
+// Steady state: one grid reading `vectors` 16-byte vectors from one large buffer.
+template <int kInFlight>
+__global__ void __launch_bounds__(kThreads) StreamLarge(const uint4* data, int64_t vectors,
+                                                       uint32_t* out) {
+  const int64_t n = int64_t{gridDim.x} * blockDim.x;
+  uint32_t x = 0;
+  for (int64_t base = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; base < vectors;
+       base += n * kInFlight) {
+    uint4 v[kInFlight];
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) {
+      const int64_t i = base + k * n;
+      v[k] = i < vectors ? __ldcs(data + i) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) x ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
+  }
+  out[blockIdx.x * blockDim.x + threadIdx.x] = x;
+}
+
 template <int kInFlight>
 __global__ void __launch_bounds__(kThreads) StreamFused(Pass pass, uint32_t* out) {
   out[blockIdx.x * blockDim.x + threadIdx.x] = StreamParts<kInFlight>(pass, 0, 2 * kActive);
 }
 
-int main() {
+int main(int argc, char** argv) {
+  (void)argv;
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   std::vector<uint4*> w13(kExperts), w2(kExperts);
@@ -179,6 +201,45 @@ int main() {
              bytes1 + bytes2);
     }
   };
+  // Steady state, the bytes of problem A at 64 tokens (111 experts' GEMM1 and GEMM2: 1.47 GB)
+  // from one buffer, one grid per replay: what a long decode-point stream can reach.
+  const int64_t large_bytes = int64_t{111} * (kW13 + kW2);
+  uint4* large;
+  CHECK(cudaMalloc(&large, large_bytes));
+  CHECK(cudaMemset(large, 1, large_bytes));
+  auto time_large = [&](auto kernel, int blocks) {
+    std::vector<double> us;
+    cudaEvent_t a, b;
+    CHECK(cudaEventCreate(&a));
+    CHECK(cudaEventCreate(&b));
+    for (int i = 0; i < 23; ++i) {
+      CHECK(cudaEventRecord(a, stream));
+      kernel<<<blocks, kThreads, 0, stream>>>(large, large_bytes / 16, out);
+      CHECK(cudaEventRecord(b, stream));
+      CHECK(cudaEventSynchronize(b));
+      float ms = 0;
+      CHECK(cudaEventElapsedTime(&ms, a, b));
+      if (i >= 3) us.push_back(ms * 1e3);
+    }
+    std::sort(us.begin(), us.end());
+    return us[us.size() / 2];
+  };
+  auto sweep_large = [&](auto in_flight) {
+    constexpr int F = decltype(in_flight)::value;
+    for (int per_sm : {2, 4, 8, 16}) {
+      const double us = time_large(StreamLarge<F>, sms * per_sm);
+      std::printf("large (%.2f GB), %2d CTAs/SM x %2d loads in flight (%3d KB per SM): %7.1f us  "
+                  "%.2f TB/s\n",
+                  large_bytes / 1e9, per_sm, F, per_sm * kThreads * F * 16 / 1024, us,
+                  large_bytes / us / 1e6);
+    }
+  };
+  for (int round = 0; round < 2; ++round) {
+    sweep_large(std::integral_constant<int, 4>());
+    sweep_large(std::integral_constant<int, 8>());
+    sweep_large(std::integral_constant<int, 16>());
+  }
+  if (argc > 1) return 0;  // "large": the steady-state sweep only
   for (int round = 0; round < 2; ++round) {
     std::printf("round %d (%d SMs)\n", round, sms);
     sweep(std::integral_constant<int, 4>());
