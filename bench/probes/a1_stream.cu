@@ -26,14 +26,7 @@
 #include <type_traits>
 #include <vector>
 
-#define CHECK(x)                                                                              \
-  do {                                                                                        \
-    const cudaError_t e_ = (x);                                                               \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
+#include "probe.h"
 
 constexpr int kExperts = 128, kActive = 4, kPasses = 16, kThreads = 128;
 constexpr int64_t kW13 = 8810 * 1024, kW2 = 4410 * 1024;  // bytes per expert (multiples of 16)
@@ -136,29 +129,11 @@ int main(int argc, char** argv) {
   CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
   auto time_us = [&](const std::function<void(const Pass&)>& launch) {
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    for (const Pass& p : passes) launch(p);
-    CHECK(cudaStreamEndCapture(stream, &graph));
-    CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    cudaEvent_t a, b;
-    CHECK(cudaEventCreate(&a));
-    CHECK(cudaEventCreate(&b));
-    std::vector<double> us;
-    for (int i = 0; i < 53; ++i) {
-      CHECK(cudaEventRecord(a, stream));
-      CHECK(cudaGraphLaunch(exec, stream));
-      CHECK(cudaEventRecord(b, stream));
-      CHECK(cudaEventSynchronize(b));
-      float ms = 0;
-      CHECK(cudaEventElapsedTime(&ms, a, b));
-      if (i >= 3) us.push_back(ms * 1e3 / kPasses);
-    }
-    std::sort(us.begin(), us.end());
-    CHECK(cudaGraphExecDestroy(exec));
-    CHECK(cudaGraphDestroy(graph));
-    return us[us.size() / 2];
+    return GraphMedianUs(
+        stream, [&] {
+          for (const Pass& x : passes) launch(x);
+        },
+        kPasses);
   };
   auto launch = [&](auto kernel, int blocks, bool programmatic, const Pass& p) {
     cudaLaunchConfig_t config = {};

@@ -26,14 +26,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                                              \
-  do {                                                                                        \
-    const cudaError_t e_ = (x);                                                               \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
+#include "probe.h"
 
 constexpr int kVectors = 4096;  // uint4 words of codes: 64 KB
 constexpr uint32_t kMagMask = 0x01C001C0u, kSignMask = 0x80008000u;

@@ -23,14 +23,7 @@
 #include <functional>
 #include <vector>
 
-#define CHECK(x)                                                                              \
-  do {                                                                                        \
-    const cudaError_t e_ = (x);                                                               \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
+#include "probe.h"
 
 constexpr int kTokens = 4096, kHidden = 7168, kChunks = kHidden / 8, kSets = 4;
 
@@ -114,29 +107,11 @@ int main() {
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
 
   auto time_us = [&](const std::function<void(const Set&)>& launch) {
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    for (const Set& s : sets) launch(s);
-    CHECK(cudaStreamEndCapture(stream, &graph));
-    CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    cudaEvent_t a, b;
-    CHECK(cudaEventCreate(&a));
-    CHECK(cudaEventCreate(&b));
-    std::vector<double> us;
-    for (int i = 0; i < 53; ++i) {
-      CHECK(cudaEventRecord(a, stream));
-      CHECK(cudaGraphLaunch(exec, stream));
-      CHECK(cudaEventRecord(b, stream));
-      CHECK(cudaEventSynchronize(b));
-      float ms = 0;
-      CHECK(cudaEventElapsedTime(&ms, a, b));
-      if (i >= 3) us.push_back(ms * 1e3 / kSets);
-    }
-    std::sort(us.begin(), us.end());
-    CHECK(cudaGraphExecDestroy(exec));
-    CHECK(cudaGraphDestroy(graph));
-    return us[us.size() / 2];
+    return GraphMedianUs(
+        stream, [&] {
+          for (const Set& x : sets) launch(x);
+        },
+        kSets);
   };
   auto report = [&](const char* name, double us, double ref) {
     std::printf("%-28s %8.2f us  %.3f TB/s  %5.1f%% of copy\n", name, us, bytes / us / 1e6,

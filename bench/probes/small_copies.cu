@@ -19,14 +19,7 @@
 #include <functional>
 #include <vector>
 
-#define CHECK(x)                                                                      \
-  do {                                                                                \
-    const cudaError_t e_ = (x);                                                       \
-    if (e_ != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
+#include "probe.h"
 
 // Copies n 16-byte words (grid-stride); from and to may be host (pinned) or device memory.
 __global__ void Move(const uint4* from, uint4* to, int64_t n) {
