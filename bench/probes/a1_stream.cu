@@ -9,8 +9,9 @@
 //                 finishes and waits (griddepcontrol.wait) only before its final store
 //   fused         one grid reading both
 // Each grid: 1-8 CTAs of 128 threads per SM, every thread keeps 4, 8 or 16 16-byte loads in
-// flight (streaming, evict-first), one 4-byte store per thread. Experts are drawn at random from 128
-// (1.69 GB), 16 passes per graph, so L2 (60 MB) never holds them; median of 50 replays, us per pass.
+// flight (streaming, evict-first), one 4-byte store per thread. Experts are drawn at random
+// from 128 (1.69 GB), 16 passes per graph, so L2 (60 MB) never holds them; median of 50
+// replays, us per pass.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/a1_stream bench/probes/a1_stream.cu
 //   /tmp/a1_stream          (the steady-state sweep, then the one-token forms)
@@ -35,13 +36,10 @@ struct Pass {
   const uint4* part[2 * kActive];  // GEMM1's bytes of the 4 experts, then GEMM2's
 };
 
-// Thread i of the grid reads 16-byte vectors i, i + n, ... of parts [first, first + count) of
-// the pass, each `vectors1` long for GEMM1's parts and `vectors2` for GEMM2's.
-template <int kInFlight>
-__device__ __forceinline__ uint32_t StreamParts(const Pass& pass, int first, int count) {
-  constexpr int64_t v1 = kW13 / 16, v2 = kW2 / 16;
-  int64_t total = 0;
-  for (int p = first; p < first + count; ++p) total += p < kActive ? v1 : v2;
+// Thread i of the grid reads 16-byte vectors i, i + n, ... of `total` (kInFlight loads issued
+// before any is used; load(j) returns vector j) and folds them into one word.
+template <int kInFlight, class Load>
+__device__ __forceinline__ uint32_t GridStream(int64_t total, const Load& load) {
   const int64_t n = int64_t{gridDim.x} * blockDim.x;
   uint32_t x = 0;
   for (int64_t base = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; base < total;
@@ -49,23 +47,32 @@ __device__ __forceinline__ uint32_t StreamParts(const Pass& pass, int first, int
     uint4 v[kInFlight];
 #pragma unroll
     for (int k = 0; k < kInFlight; ++k) {
-      int64_t i = base + k * n;
-      v[k] = make_uint4(0, 0, 0, 0);
-      if (i < total) {
-        int p = first;
-        for (;;) {
-          const int64_t len = p < kActive ? v1 : v2;
-          if (i < len) break;
-          i -= len;
-          ++p;
-        }
-        v[k] = __ldcs(pass.part[p] + i);
-      }
+      const int64_t i = base + k * n;
+      v[k] = i < total ? load(i) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int k = 0; k < kInFlight; ++k) x ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
   }
   return x;
+}
+
+// GridStream over parts [first, first + count) of the pass, one after another (GEMM1's parts
+// kW13 bytes each, GEMM2's kW2).
+template <int kInFlight>
+__device__ __forceinline__ uint32_t StreamParts(const Pass& pass, int first, int count) {
+  constexpr int64_t v1 = kW13 / 16, v2 = kW2 / 16;
+  int64_t total = 0;
+  for (int p = first; p < first + count; ++p) total += p < kActive ? v1 : v2;
+  return GridStream<kInFlight>(total, [&](int64_t i) {
+    int p = first;
+    for (;;) {
+      const int64_t len = p < kActive ? v1 : v2;
+      if (i < len) break;
+      i -= len;
+      ++p;
+    }
+    return __ldcs(pass.part[p] + i);
+  });
 }
 
 template <int kGemm, bool kWait, int kInFlight>
@@ -80,20 +87,8 @@ __global__ void __launch_bounds__(kThreads) StreamGemm(Pass pass, uint32_t* out)
 template <int kInFlight>
 __global__ void __launch_bounds__(kThreads) StreamLarge(const uint4* data, int64_t vectors,
                                                        uint32_t* out) {
-  const int64_t n = int64_t{gridDim.x} * blockDim.x;
-  uint32_t x = 0;
-  for (int64_t base = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; base < vectors;
-       base += n * kInFlight) {
-    uint4 v[kInFlight];
-#pragma unroll
-    for (int k = 0; k < kInFlight; ++k) {
-      const int64_t i = base + k * n;
-      v[k] = i < vectors ? __ldcs(data + i) : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int k = 0; k < kInFlight; ++k) x ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
-  }
-  out[blockIdx.x * blockDim.x + threadIdx.x] = x;
+  out[blockIdx.x * blockDim.x + threadIdx.x] =
+      GridStream<kInFlight>(vectors, [&](int64_t i) { return __ldcs(data + i); });
 }
 
 template <int kInFlight>
@@ -158,9 +153,11 @@ int main(int argc, char** argv) {
       std::printf("%d CTAs of %d threads per SM, %d 16-byte loads in flight per thread (%d KB per "
                   "SM)\n",
                   per_sm, kThreads, F, per_sm * kThreads * F * 16 / 1024);
-      report("  g1", time_us([&](const Pass& p) { launch(StreamGemm<0, false, F>, blocks, false, p); }),
+      report("  g1",
+             time_us([&](const Pass& p) { launch(StreamGemm<0, false, F>, blocks, false, p); }),
              bytes1);
-      report("  g2", time_us([&](const Pass& p) { launch(StreamGemm<1, false, F>, blocks, false, p); }),
+      report("  g2",
+             time_us([&](const Pass& p) { launch(StreamGemm<1, false, F>, blocks, false, p); }),
              bytes2);
       report("  g1;g2", time_us([&](const Pass& p) {
                launch(StreamGemm<0, false, F>, blocks, false, p);

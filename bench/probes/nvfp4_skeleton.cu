@@ -131,20 +131,17 @@ int main() {
     std::printf("round %d\n", round);
     report("stream", time_us([&](const Set& s) { StreamKernel<<<sms * 8, 256, 0, stream>>>(s); }),
            copy);
-    report("rows", time_us([&](const Set& s) { RowKernel<false, 0><<<kTokens, 224, 0, stream>>>(s); }),
-           copy);
-    report("rows+bar", time_us([&](const Set& s) { RowKernel<true, 0><<<kTokens, 224, 0, stream>>>(s); }),
-           copy);
-    report("rows+bar+16", time_us([&](const Set& s) { RowKernel<true, 16><<<kTokens, 224, 0, stream>>>(s); }),
-           copy);
-    report("rows+bar+32", time_us([&](const Set& s) { RowKernel<true, 32><<<kTokens, 224, 0, stream>>>(s); }),
-           copy);
-    report("rows+bar+64", time_us([&](const Set& s) { RowKernel<true, 64><<<kTokens, 224, 0, stream>>>(s); }),
-           copy);
-    report("rows+bar+128", time_us([&](const Set& s) { RowKernel<true, 128><<<kTokens, 224, 0, stream>>>(s); }),
-           copy);
-    report("rows+64 (no barrier)", time_us([&](const Set& s) { RowKernel<false, 64><<<kTokens, 224, 0, stream>>>(s); }),
-           copy);
+    const struct {
+      const char* name;
+      void (*kernel)(Set);
+    } forms[] = {{"rows", RowKernel<false, 0>},          {"rows+bar", RowKernel<true, 0>},
+                 {"rows+bar+16", RowKernel<true, 16>},   {"rows+bar+32", RowKernel<true, 32>},
+                 {"rows+bar+64", RowKernel<true, 64>},   {"rows+bar+128", RowKernel<true, 128>},
+                 {"rows+64 (no barrier)", RowKernel<false, 64>}};
+    for (const auto& form : forms) {
+      report(form.name,
+             time_us([&](const Set& s) { form.kernel<<<kTokens, 224, 0, stream>>>(s); }), copy);
+    }
   }
   return 0;
 }
