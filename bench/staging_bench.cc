@@ -38,6 +38,9 @@ ABSL_FLAG(std::vector<std::string>, formats, std::vector<std::string>({"mxfp8", 
 ABSL_FLAG(int, reps, 50, "graph replays timed at 4096 tokens");
 ABSL_FLAG(bool, small, true, "also time 1, 8 and 64 tokens");
 ABSL_FLAG(bool, sweep, false, "also time MXFP8 blocks of 256, 512 and 1024 threads at 4096 tokens");
+ABSL_FLAG(int, nvfp4_kernel_rounds, 0,
+          "also time the NVFP4 kernels (StagingParams::nvfp4_kernel 0 and 1) at 4096 tokens, "
+          "alternating, this many rounds");
 
 namespace moe::bench {
 namespace {
@@ -197,6 +200,20 @@ int Main() {
         set->params.programmatic = true;
       }
     }
+    nlohmann::json kernel_rounds = nlohmann::json::array();
+    for (int round = 0; format == StagingFormat::kNvfp4 &&
+                        round < absl::GetFlag(FLAGS_nvfp4_kernel_rounds);
+         ++round) {
+      for (int kernel : {1, 0}) {
+        for (auto& set : big) set->params.nvfp4_kernel = kernel;
+        const double t = TimeLaunches(big, 1, absl::GetFlag(FLAGS_reps), stream);
+        std::printf("nvfp4 4096 x %lld, kernel %d, round %d: %8.2f us, %.1f%% of copy bandwidth\n",
+                    static_cast<long long>(kHidden), kernel, round, t,
+                    100 * bytes / (t * 1e-6) / copy_bw);
+        kernel_rounds.push_back({{"kernel", kernel}, {"round", round}, {"us", t}});
+      }
+    }
+    for (auto& set : big) set->params.nvfp4_kernel = 0;
     const double rate = bytes / (us * 1e-6);
     std::printf("%s 4096 x %lld + remap + load: %8.2f us, %.1f MB, %.3f TB/s = %.1f%% of copy "
                 "bandwidth (target >= 80%%) %s\n",
@@ -208,6 +225,7 @@ int Main() {
     points.push_back({{"format", name}, {"tokens", 4096}, {"hidden", kHidden},
                       {"median_us_per_launch", us}, {"median_us_per_launch_no_pdl", plain_us},
                       {"mxfp8_block_threads_sweep_us", block_sweep},
+                      {"nvfp4_kernel_rounds_us", kernel_rounds},
                       {"bytes", bytes},
                       {"TBps", rate / 1e12}, {"fraction_of_copy_bw", rate / copy_bw},
                       {"target_fraction", 0.8}});

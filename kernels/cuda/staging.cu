@@ -511,6 +511,182 @@ __global__ void __maxnreg__(kNvfp4Registers)
   }
 }
 
+
+// ---- NVFP4, lean form: a lane keeps each of its chunks (half a group) and encodes it itself.
+
+// Lane i of the warp whose tile starts at chunk `tile` holds chunks tile + 32j + i; chunk c is half
+// c % 2 of group c / 2, so lanes 2p and 2p + 1 hold the two halves of each group and swap only
+// their half maxima (one shuffle per chunk). Each lane then works out the group's scale byte
+// itself (both halves compute the same one) and writes its chunk's four code bytes.
+constexpr int kNvfp4LeanChunks = 4;  // per lane and tile
+constexpr int kNvfp4LeanWarpChunks = 32 * kNvfp4LeanChunks;
+
+struct Nvfp4LeanTile {
+  uint4 raw[kNvfp4LeanChunks];
+  float half_max[kNvfp4LeanChunks];  // NaN only for an all-NaN chunk
+};
+
+// max(|a|, |b|) per half, the sign bit the XOR of the signs (NaN operands as in max.bf16x2).
+__device__ __forceinline__ uint32_t MaxAbsXorsignBf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// ChunkAbsMax in three max.xorsign.abs and one mask.
+__device__ __forceinline__ uint32_t ChunkAbsMaxXorsign(const uint4& v) {
+  return AbsBf16x2(MaxAbsXorsignBf16x2(MaxAbsXorsignBf16x2(v.x, v.y), MaxAbsXorsignBf16x2(v.z, v.w)));
+}
+
+__device__ __forceinline__ Nvfp4LeanTile LoadNvfp4LeanTile(const uint4* row, int tile, int chunks) {
+  const int lane = threadIdx.x & 31;
+  const uint4* p = row + tile + lane;
+  const int valid = chunks - tile - lane;  // chunks j with 32 j < valid exist
+  Nvfp4LeanTile r;
+#pragma unroll
+  for (int j = 0; j < kNvfp4LeanChunks; ++j) {
+    r.raw[j] = 32 * j < valid ? LoadOnce(p + 32 * j) : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int j = 0; j < kNvfp4LeanChunks; ++j) r.half_max[j] = LargerHalf(ChunkAbsMaxXorsign(r.raw[j]));
+  return r;
+}
+
+__device__ __forceinline__ float LeanTileMax(const Nvfp4LeanTile& r) {
+  float m = r.half_max[0];
+#pragma unroll
+  for (int j = 1; j < kNvfp4LeanChunks; ++j) m = fmaxf(m, r.half_max[j]);
+  return m;
+}
+
+// The group scale quotient fl(amax16 / d) without a division per group: with r = fl(1 / d),
+// q0 = fl(amax16 * r) and the exact remainder amax16 - d * q0 (one FMA), q0 + remainder * r
+// rounds to the correctly rounded quotient (Markstein) where nothing underflows. Checked for
+// every pair of a BF16 row amax A (d = fl(6 * fl(A / 2688)) >= 2^-110) and a BF16 group amax
+// G <= A by bench/probes/nvfp4_division.cc: the E4M3 bytes of both agree (the quotients differ
+// only where both are far below E4M3's smallest step). Rows with a smaller or infinite d take
+// the IEEE division.
+struct Nvfp4Divisor {
+  float d, r;
+  bool fast;
+};
+
+__device__ __forceinline__ Nvfp4Divisor MakeNvfp4Divisor(float d) {
+  return {d, __frcp_rn(d), d >= 0x1p-110f && d <= FLT_MAX};
+}
+
+template <bool kFast>
+__device__ __forceinline__ float DivideGroupMax(float g, const Nvfp4Divisor& v) {
+  if constexpr (!kFast) {
+    return __fdiv_rn(g, v.d);
+  } else {
+    const float q0 = __fmul_rn(g, v.r);
+    return __fmaf_rn(__fmaf_rn(-v.d, q0, g), v.r, q0);
+  }
+}
+
+// Thresholds of every block-scale byte, for the row's token scale: entry b holds
+// GroupThresholds(E4M3(b) * x_scale), or NaN thresholds (no element reaches them: every code 0,
+// no sign) where that unit is not positive (sf = 0, or NaN from an infinite token scale or a NaN
+// sf), exactly where the CPU writes code 0. Scale bytes are never above 0x7F here (the quotient
+// is never negative). The whole block calls it (one barrier at the end).
+struct Nvfp4LeanTable {
+  E2m1Thresholds u[128];
+};
+
+__device__ __forceinline__ void BuildLeanTable(Nvfp4LeanTable& table, float x_scale) {
+  for (int b = threadIdx.x; b < 128; b += blockDim.x) {
+    const float unit = __fmul_rn(E4m3Decode(static_cast<uint32_t>(b)), x_scale);
+    E2m1Thresholds u;
+    if (unit > 0.f) {
+      u = GroupThresholds(unit);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 7; ++k) u.v[k] = 0x7FFF7FFFu;
+      u.negative_v0 = 0xFFFFFFFFu;
+    }
+    table.u[b] = u;
+  }
+  __syncthreads();
+}
+
+struct Nvfp4LeanOut {
+  uint32_t* q;     // 4 bytes per chunk
+  uint8_t* scale;  // 1 byte per group
+};
+
+// kWhole: every chunk of the warp's tile exists (no checks, no divergence around the shuffles).
+template <bool kFast, bool kWhole>
+__device__ __forceinline__ void QuantizeNvfp4LeanTile(const Nvfp4LeanOut& out,
+                                                      const Nvfp4LeanTile& r, int tile,
+                                                      int chunks, const Nvfp4LeanTable& table,
+                                                      const Nvfp4Divisor& divisor) {
+  const int lane = threadIdx.x & 31;
+  uint32_t* q = out.q + tile + lane;
+  uint8_t* scale = out.scale + (tile + lane) / 2;  // tile is even
+  const int valid = chunks - tile - lane;
+#pragma unroll
+  for (int j = 0; j < kNvfp4LeanChunks; ++j) {
+    // NaN only where both halves are all NaN: the CPU's amax is then 0.
+    const float group_max =
+        fmaxf(fmaxf(r.half_max[j], __shfl_xor_sync(kFull, r.half_max[j], 1)), 0.f);
+    // The code of a non-negative quotient or NaN (0x7F) in the low byte, the rest 0.
+    const uint32_t sf_bits = E4m3x2(DivideGroupMax<kFast>(group_max, divisor), 0.f);
+    const uint32_t code = EncodeE2m1Chunk(RePair(r.raw[j]), table.u[sf_bits]);
+    if (!kWhole && 32 * j >= valid) continue;
+    __stcs(q + 32 * j, code);
+    if ((lane & 1) == 0) scale[16 * j] = static_cast<uint8_t>(sf_bits);
+  }
+}
+
+template <bool kFast>
+__device__ __forceinline__ void QuantizeNvfp4LeanRow(const Nvfp4LeanOut& out,
+                                                     const Nvfp4LeanTile& first, const uint4* row,
+                                                     int warp_tile, int tile_chunks, int chunks,
+                                                     const Nvfp4LeanTable& table,
+                                                     const Nvfp4Divisor& divisor) {
+  if (warp_tile + kNvfp4LeanWarpChunks <= chunks) {
+    QuantizeNvfp4LeanTile<kFast, true>(out, first, warp_tile, chunks, table, divisor);
+  } else {
+    QuantizeNvfp4LeanTile<kFast, false>(out, first, warp_tile, chunks, table, divisor);
+  }
+  for (int base = tile_chunks; base < chunks; base += tile_chunks) {
+    QuantizeNvfp4LeanTile<kFast, false>(out, LoadNvfp4LeanTile(row, base + warp_tile, chunks),
+                                        base + warp_tile, chunks, table, divisor);
+  }
+}
+
+__global__ void __maxnreg__(kNvfp4Registers)
+    StageNvfp4LeanKernel(const StagingParams p, int remap_blocks) {
+  ProgrammaticStart();
+  if (static_cast<int>(blockIdx.x) < remap_blocks) {
+    RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
+    return;
+  }
+  const int64_t t = blockIdx.x - remap_blocks;
+  const int chunks = p.hidden_size / 8;
+  const uint4* row = reinterpret_cast<const uint4*>(p.x) + t * chunks;
+  const int tile_chunks = static_cast<int>(blockDim.x / 32) * kNvfp4LeanWarpChunks;
+  const int warp_tile = static_cast<int>(threadIdx.x / 32) * kNvfp4LeanWarpChunks;
+  const Nvfp4LeanTile first = LoadNvfp4LeanTile(row, warp_tile, chunks);
+  float amax = LeanTileMax(first);
+  for (int base = tile_chunks; base < chunks; base += tile_chunks) {
+    amax = fmaxf(amax, LeanTileMax(LoadNvfp4LeanTile(row, base + warp_tile, chunks)));
+  }
+  const float x_scale = __fdiv_rn(fmaxf(BlockMax(amax), FLT_MIN), 2688.f);
+  if (threadIdx.x == 0) p.token_scale[t] = x_scale;
+  const Nvfp4Divisor divisor = MakeNvfp4Divisor(__fmul_rn(6.f, x_scale));
+  __shared__ Nvfp4LeanTable table;
+  BuildLeanTable(table, x_scale);
+  const Nvfp4LeanOut out = {reinterpret_cast<uint32_t*>(p.q + t * (chunks * 4)),
+                            reinterpret_cast<uint8_t*>(p.scales + t * (chunks / 8))};
+  if (divisor.fast) {
+    QuantizeNvfp4LeanRow<true>(out, first, row, warp_tile, tile_chunks, chunks, table, divisor);
+  } else {
+    QuantizeNvfp4LeanRow<false>(out, first, row, warp_tile, tile_chunks, chunks, table, divisor);
+  }
+}
+
 }  // namespace
 
 cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
@@ -524,7 +700,8 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   int threads = mx_threads;
   int64_t quant_blocks = 0;
   if (nvfp4) {
-    const int warps = (p.hidden_size / 8 + kNvfp4WarpChunks - 1) / kNvfp4WarpChunks;
+    const int per_warp = p.nvfp4_kernel == 1 ? kNvfp4WarpChunks : kNvfp4LeanWarpChunks;
+    const int warps = (p.hidden_size / 8 + per_warp - 1) / per_warp;
     threads = 32 * std::min(std::max(warps, 1), kNvfp4MaxThreads / 32);
     if (quantize) quant_blocks = p.tokens;
   } else if (quantize) {
@@ -544,7 +721,8 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   config.attrs = attr;
   // 1024-thread MXFP8 blocks measured faster without it (a waiting block holds half an SM).
   config.numAttrs = p.programmatic && (nvfp4 || mx_threads != 1024) ? 1 : 0;
-  void (*kernel)(StagingParams, int) = nvfp4                ? StageNvfp4Kernel
+  void (*kernel)(StagingParams, int) = nvfp4 ? (p.nvfp4_kernel == 1 ? StageNvfp4Kernel
+                                                                     : StageNvfp4LeanKernel)
                                        : mx_threads == 1024 ? StageMxfp8Kernel<1024>
                                        : mx_threads == 512  ? StageMxfp8Kernel<512>
                                                             : StageMxfp8Kernel<256>;

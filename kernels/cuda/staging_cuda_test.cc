@@ -91,11 +91,13 @@ size_t Mismatches(const std::vector<T>& got, const std::vector<T>& want) {
   return n;
 }
 
-// mx_threads: StagingParams::mxfp8_block_threads; programmatic: StagingParams::programmatic.
+// mx_threads: StagingParams::mxfp8_block_threads; programmatic: StagingParams::programmatic;
+// nvfp4_kernel: StagingParams::nvfp4_kernel.
 void CheckCase(StagingFormat format, int64_t tokens, int64_t hidden, uint64_t seed,
-               int mx_threads = 0, bool programmatic = true) {
+               int mx_threads = 0, bool programmatic = true, int nvfp4_kernel = 0) {
   SCOPED_TRACE(testing::Message() << (format == StagingFormat::kMxfp8 ? "MXFP8" : "NVFP4")
-                                  << " T=" << tokens << " H=" << hidden << " seed=" << seed);
+                                  << " T=" << tokens << " H=" << hidden << " seed=" << seed
+                                  << " nvfp4_kernel=" << nvfp4_kernel);
   std::mt19937_64 rng(seed);
   const bool mx = format == StagingFormat::kMxfp8;
   const int64_t q_bytes = mx ? tokens * hidden : tokens * hidden / 2;
@@ -166,6 +168,7 @@ void CheckCase(StagingFormat format, int64_t tokens, int64_t hidden, uint64_t se
   p.num_unpadded = static_cast<int32_t>(num_unpadded);
   p.mxfp8_block_threads = mx_threads;
   p.programmatic = programmatic;
+  p.nvfp4_kernel = nvfp4_kernel;
   ASSERT_TRUE(EnqueueStaging(p, nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
@@ -201,12 +204,17 @@ TEST(StagingCudaTest, Mxfp8MatchesCpuBitForBit) {
 
 TEST(StagingCudaTest, Nvfp4MatchesCpuBitForBit) {
   const uint64_t seed = FreshSeed();
-  for (int64_t tokens : {1, 2, 7, 64, 333, 4096}) {
-    for (int64_t hidden : {128, 2880, 7168}) CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + tokens * 17 + hidden);
-  }
-  // Rows longer than one block tile (32768 elements) are read twice, tile by tile.
-  for (int64_t tokens : {1, 7}) {
-    CheckCase(StagingFormat::kNvfp4, tokens, 36864, seed + tokens * 17 + 36864);
+  for (int kernel : {0, 1}) {
+    for (int64_t tokens : {1, 2, 7, 64, 333, 4096}) {
+      for (int64_t hidden : {128, 576, 2880, 7168}) {
+        CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + tokens * 17 + hidden, 0, true,
+                  kernel);
+      }
+    }
+    // Rows longer than one block tile (32768 elements) are read twice, tile by tile.
+    for (int64_t tokens : {1, 7}) {
+      CheckCase(StagingFormat::kNvfp4, tokens, 36864, seed + tokens * 17 + 36864, 0, true, kernel);
+    }
   }
 }
 
