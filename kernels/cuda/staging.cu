@@ -365,6 +365,38 @@ __device__ __forceinline__ uint32_t EncodeE2m1Chunk(const ChunkPairs& c, const E
   return (tally[0] & 0x003B003Bu) | (tally[1] & 0x003B003Bu) << 8 | bits;
 }
 
+// EncodeE2m1Chunk with the tally summed as a tree instead of a chain: per half h the terms are
+// 128, the three comparison results of pair 2h (times 1), its sign test (times 8) and the three
+// of pair 2h + 1 (times 16), added in three levels instead of seven dependent steps. Every
+// partial sum is still an integer below 256 (exact in BF16), so the final tally is the same.
+__device__ __forceinline__ uint32_t EncodeE2m1ChunkTree(const ChunkPairs& c,
+                                                        const E2m1Thresholds& u) {
+  uint32_t tally[2], bits = 0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t x0 = c.w[2 * h], x1 = c.w[2 * h + 1];
+    const uint32_t a0 = AbsBf16x2Fma(x0), a1 = AbsBf16x2Fma(x1);
+    const uint32_t m2_0 = GeMaskBf16x2(a0, u.v[3]), m2_1 = GeMaskBf16x2(a1, u.v[3]);
+    uint32_t g[3], e[3];
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      g[k] = GeOneBf16x2(a0, Select(m2_0, u.v[4 + k], u.v[k]));
+      e[k] = GeOneBf16x2(a1, Select(m2_1, u.v[4 + k], u.v[k]));
+    }
+    const uint32_t sign0 = LeOneBf16x2(x0, u.negative_v0);
+    const uint32_t low = FmaBf16x2(g[0], kTallyOne, g[1]);           // <= 2
+    const uint32_t mid = FmaBf16x2(sign0, kTallyEight, g[2]);        // <= 9
+    const uint32_t base = FmaBf16x2(e[0], kTallySixteen, kTallyBase);  // <= 144
+    const uint32_t odd = FmaBf16x2(e[1], kTallyOne, e[2]);           // <= 2
+    tally[h] = FmaBf16x2(FmaBf16x2(low, kTallyOne, mid), kTallyOne,
+                         FmaBf16x2(odd, kTallySixteen, base));  // <= 187
+    const int at = 8 * h;
+    bits |= (m2_0 & (0x00040004u << at)) | (m2_1 & (0x00400040u << at)) |
+            (LeMaskBf16x2(x1, u.negative_v0) & (0x00800080u << at));
+  }
+  return (tally[0] & 0x003B003Bu) | (tally[1] & 0x003B003Bu) << 8 | bits;
+}
+
 // What a lane holds of one warp tile: kNvfp4LaneGroups groups, each as this lane's chunk and its
 // partner's.
 struct Nvfp4LaneTile {
@@ -616,7 +648,8 @@ struct Nvfp4LeanOut {
 };
 
 // kWhole: every chunk of the warp's tile exists (no checks, no divergence around the shuffles).
-template <bool kFast, bool kWhole>
+// kTree: EncodeE2m1ChunkTree instead of EncodeE2m1Chunk.
+template <bool kFast, bool kWhole, bool kTree>
 __device__ __forceinline__ void QuantizeNvfp4LeanTile(const Nvfp4LeanOut& out,
                                                       const Nvfp4LeanTile& r, int tile,
                                                       int chunks, const Nvfp4LeanTable& table,
@@ -632,31 +665,33 @@ __device__ __forceinline__ void QuantizeNvfp4LeanTile(const Nvfp4LeanOut& out,
         fmaxf(fmaxf(r.half_max[j], __shfl_xor_sync(kFull, r.half_max[j], 1)), 0.f);
     // The code of a non-negative quotient or NaN (0x7F) in the low byte, the rest 0.
     const uint32_t sf_bits = E4m3x2(DivideGroupMax<kFast>(group_max, divisor), 0.f);
-    const uint32_t code = EncodeE2m1Chunk(RePair(r.raw[j]), table.u[sf_bits]);
+    const uint32_t code = kTree ? EncodeE2m1ChunkTree(RePair(r.raw[j]), table.u[sf_bits])
+                                : EncodeE2m1Chunk(RePair(r.raw[j]), table.u[sf_bits]);
     if (!kWhole && 32 * j >= valid) continue;
     __stcs(q + 32 * j, code);
     if ((lane & 1) == 0) scale[16 * j] = static_cast<uint8_t>(sf_bits);
   }
 }
 
-template <bool kFast>
+template <bool kFast, bool kTree>
 __device__ __forceinline__ void QuantizeNvfp4LeanRow(const Nvfp4LeanOut& out,
                                                      const Nvfp4LeanTile& first, const uint4* row,
                                                      int warp_tile, int tile_chunks, int chunks,
                                                      const Nvfp4LeanTable& table,
                                                      const Nvfp4Divisor& divisor) {
   if (warp_tile + kNvfp4LeanWarpChunks <= chunks) {
-    QuantizeNvfp4LeanTile<kFast, true>(out, first, warp_tile, chunks, table, divisor);
+    QuantizeNvfp4LeanTile<kFast, true, kTree>(out, first, warp_tile, chunks, table, divisor);
   } else {
-    QuantizeNvfp4LeanTile<kFast, false>(out, first, warp_tile, chunks, table, divisor);
+    QuantizeNvfp4LeanTile<kFast, false, kTree>(out, first, warp_tile, chunks, table, divisor);
   }
   for (int base = tile_chunks; base < chunks; base += tile_chunks) {
-    QuantizeNvfp4LeanTile<kFast, false>(out, LoadNvfp4LeanTile(row, base + warp_tile, chunks),
+    QuantizeNvfp4LeanTile<kFast, false, kTree>(out, LoadNvfp4LeanTile(row, base + warp_tile, chunks),
                                         base + warp_tile, chunks, table, divisor);
   }
 }
 
-__global__ void __maxnreg__(kNvfp4Registers)
+template <bool kTree, int kRegisters = kNvfp4Registers>
+__global__ void __maxnreg__(kRegisters)
     StageNvfp4LeanKernel(const StagingParams p, int remap_blocks) {
   ProgrammaticStart();
   if (static_cast<int>(blockIdx.x) < remap_blocks) {
@@ -681,9 +716,9 @@ __global__ void __maxnreg__(kNvfp4Registers)
   const Nvfp4LeanOut out = {reinterpret_cast<uint32_t*>(p.q + t * (chunks * 4)),
                             reinterpret_cast<uint8_t*>(p.scales + t * (chunks / 8))};
   if (divisor.fast) {
-    QuantizeNvfp4LeanRow<true>(out, first, row, warp_tile, tile_chunks, chunks, table, divisor);
+    QuantizeNvfp4LeanRow<true, kTree>(out, first, row, warp_tile, tile_chunks, chunks, table, divisor);
   } else {
-    QuantizeNvfp4LeanRow<false>(out, first, row, warp_tile, tile_chunks, chunks, table, divisor);
+    QuantizeNvfp4LeanRow<false, kTree>(out, first, row, warp_tile, tile_chunks, chunks, table, divisor);
   }
 }
 
@@ -721,8 +756,11 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   config.attrs = attr;
   // 1024-thread MXFP8 blocks measured faster without it (a waiting block holds half an SM).
   config.numAttrs = p.programmatic && (nvfp4 || mx_threads != 1024) ? 1 : 0;
-  void (*kernel)(StagingParams, int) = nvfp4 ? (p.nvfp4_kernel == 1 ? StageNvfp4Kernel
-                                                                     : StageNvfp4LeanKernel)
+  void (*kernel)(StagingParams, int) = nvfp4 ? (p.nvfp4_kernel == 1   ? StageNvfp4Kernel
+                                                 : p.nvfp4_kernel == 2 ? StageNvfp4LeanKernel<true>
+                                                 : p.nvfp4_kernel == 3 ? StageNvfp4LeanKernel<true, 48>
+                                                 : p.nvfp4_kernel == 4 ? StageNvfp4LeanKernel<true, 64>
+                                                                       : StageNvfp4LeanKernel<false>)
                                        : mx_threads == 1024 ? StageMxfp8Kernel<1024>
                                        : mx_threads == 512  ? StageMxfp8Kernel<512>
                                                             : StageMxfp8Kernel<256>;

@@ -60,7 +60,8 @@ struct StagingParams {
   // Tuning: threads per MXFP8 quantization block, 256, 512 or 1024; 0: the measured best (1024
   // from 2^19 chunks of 8 elements, 256 below).
   int32_t mxfp8_block_threads = 0;
-  // Tuning: the NVFP4 kernel, 0 the lean one (default), 1 the block kernel with half-group swaps.
+  // Tuning: the NVFP4 kernel, 0 the lean one (default), 1 the block kernel with half-group swaps,
+  // 2 the lean one with the tally summed as a tree, 3 and 4 that with 48 and 64 registers.
   int32_t nvfp4_kernel = 0;
 };
 
