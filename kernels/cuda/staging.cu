@@ -365,38 +365,6 @@ __device__ __forceinline__ uint32_t EncodeE2m1Chunk(const ChunkPairs& c, const E
   return (tally[0] & 0x003B003Bu) | (tally[1] & 0x003B003Bu) << 8 | bits;
 }
 
-// EncodeE2m1Chunk with the tally summed as a tree instead of a chain: per half h the terms are
-// 128, the three comparison results of pair 2h (times 1), its sign test (times 8) and the three
-// of pair 2h + 1 (times 16), added in three levels instead of seven dependent steps. Every
-// partial sum is still an integer below 256 (exact in BF16), so the final tally is the same.
-__device__ __forceinline__ uint32_t EncodeE2m1ChunkTree(const ChunkPairs& c,
-                                                        const E2m1Thresholds& u) {
-  uint32_t tally[2], bits = 0;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const uint32_t x0 = c.w[2 * h], x1 = c.w[2 * h + 1];
-    const uint32_t a0 = AbsBf16x2Fma(x0), a1 = AbsBf16x2Fma(x1);
-    const uint32_t m2_0 = GeMaskBf16x2(a0, u.v[3]), m2_1 = GeMaskBf16x2(a1, u.v[3]);
-    uint32_t g[3], e[3];
-#pragma unroll
-    for (int k = 0; k < 3; ++k) {
-      g[k] = GeOneBf16x2(a0, Select(m2_0, u.v[4 + k], u.v[k]));
-      e[k] = GeOneBf16x2(a1, Select(m2_1, u.v[4 + k], u.v[k]));
-    }
-    const uint32_t sign0 = LeOneBf16x2(x0, u.negative_v0);
-    const uint32_t low = FmaBf16x2(g[0], kTallyOne, g[1]);           // <= 2
-    const uint32_t mid = FmaBf16x2(sign0, kTallyEight, g[2]);        // <= 9
-    const uint32_t base = FmaBf16x2(e[0], kTallySixteen, kTallyBase);  // <= 144
-    const uint32_t odd = FmaBf16x2(e[1], kTallyOne, e[2]);           // <= 2
-    tally[h] = FmaBf16x2(FmaBf16x2(low, kTallyOne, mid), kTallyOne,
-                         FmaBf16x2(odd, kTallySixteen, base));  // <= 187
-    const int at = 8 * h;
-    bits |= (m2_0 & (0x00040004u << at)) | (m2_1 & (0x00400040u << at)) |
-            (LeMaskBf16x2(x1, u.negative_v0) & (0x00800080u << at));
-  }
-  return (tally[0] & 0x003B003Bu) | (tally[1] & 0x003B003Bu) << 8 | bits;
-}
-
 // What a lane holds of one warp tile: kNvfp4LaneGroups groups, each as this lane's chunk and its
 // partner's.
 struct Nvfp4LaneTile {
@@ -546,16 +514,14 @@ __global__ void __maxnreg__(kNvfp4Registers)
 
 // ---- NVFP4, lean form: a lane keeps each of its chunks (half a group) and encodes it itself.
 
-// Lane i of the warp whose tile starts at chunk `tile` holds chunks tile + 32j + i; chunk c is half
-// c % 2 of group c / 2, so lanes 2p and 2p + 1 hold the two halves of each group and swap only
-// their half maxima (one shuffle per chunk). Each lane then works out the group's scale byte
-// itself (both halves compute the same one) and writes its chunk's four code bytes.
-constexpr int kNvfp4LeanChunks = 4;  // per lane and tile
-constexpr int kNvfp4LeanWarpChunks = 32 * kNvfp4LeanChunks;
-
+// Lane i of the warp whose tile starts at chunk `tile` holds chunks tile + 32j + i, j < kChunks;
+// chunk c is half c % 2 of group c / 2, so lanes 2p and 2p + 1 hold the two halves of each group
+// and swap only their half maxima (one shuffle per chunk). Each lane then works out the group's
+// scale byte itself (both halves compute the same one) and writes its chunk's four code bytes.
+template <int kChunks>
 struct Nvfp4LeanTile {
-  uint4 raw[kNvfp4LeanChunks];
-  float half_max[kNvfp4LeanChunks];  // NaN only for an all-NaN chunk
+  uint4 raw[kChunks];
+  float half_max[kChunks];  // NaN only for an all-NaN chunk
 };
 
 // max(|a|, |b|) per half, the sign bit the XOR of the signs (NaN operands as in max.bf16x2).
@@ -570,24 +536,27 @@ __device__ __forceinline__ uint32_t ChunkAbsMaxXorsign(const uint4& v) {
   return AbsBf16x2(MaxAbsXorsignBf16x2(MaxAbsXorsignBf16x2(v.x, v.y), MaxAbsXorsignBf16x2(v.z, v.w)));
 }
 
-__device__ __forceinline__ Nvfp4LeanTile LoadNvfp4LeanTile(const uint4* row, int tile, int chunks) {
+template <int kChunks>
+__device__ __forceinline__ Nvfp4LeanTile<kChunks> LoadNvfp4LeanTile(const uint4* row, int tile,
+                                                                    int chunks) {
   const int lane = threadIdx.x & 31;
   const uint4* p = row + tile + lane;
   const int valid = chunks - tile - lane;  // chunks j with 32 j < valid exist
-  Nvfp4LeanTile r;
+  Nvfp4LeanTile<kChunks> r;
 #pragma unroll
-  for (int j = 0; j < kNvfp4LeanChunks; ++j) {
+  for (int j = 0; j < kChunks; ++j) {
     r.raw[j] = 32 * j < valid ? LoadOnce(p + 32 * j) : make_uint4(0, 0, 0, 0);
   }
 #pragma unroll
-  for (int j = 0; j < kNvfp4LeanChunks; ++j) r.half_max[j] = LargerHalf(ChunkAbsMaxXorsign(r.raw[j]));
+  for (int j = 0; j < kChunks; ++j) r.half_max[j] = LargerHalf(ChunkAbsMaxXorsign(r.raw[j]));
   return r;
 }
 
-__device__ __forceinline__ float LeanTileMax(const Nvfp4LeanTile& r) {
+template <int kChunks>
+__device__ __forceinline__ float LeanTileMax(const Nvfp4LeanTile<kChunks>& r) {
   float m = r.half_max[0];
 #pragma unroll
-  for (int j = 1; j < kNvfp4LeanChunks; ++j) m = fmaxf(m, r.half_max[j]);
+  for (int j = 1; j < kChunks; ++j) m = fmaxf(m, r.half_max[j]);
   return m;
 }
 
@@ -648,10 +617,9 @@ struct Nvfp4LeanOut {
 };
 
 // kWhole: every chunk of the warp's tile exists (no checks, no divergence around the shuffles).
-// kTree: EncodeE2m1ChunkTree instead of EncodeE2m1Chunk.
-template <bool kFast, bool kWhole, bool kTree>
+template <int kChunks, bool kFast, bool kWhole>
 __device__ __forceinline__ void QuantizeNvfp4LeanTile(const Nvfp4LeanOut& out,
-                                                      const Nvfp4LeanTile& r, int tile,
+                                                      const Nvfp4LeanTile<kChunks>& r, int tile,
                                                       int chunks, const Nvfp4LeanTable& table,
                                                       const Nvfp4Divisor& divisor) {
   const int lane = threadIdx.x & 31;
@@ -659,38 +627,38 @@ __device__ __forceinline__ void QuantizeNvfp4LeanTile(const Nvfp4LeanOut& out,
   uint8_t* scale = out.scale + (tile + lane) / 2;  // tile is even
   const int valid = chunks - tile - lane;
 #pragma unroll
-  for (int j = 0; j < kNvfp4LeanChunks; ++j) {
+  for (int j = 0; j < kChunks; ++j) {
     // NaN only where both halves are all NaN: the CPU's amax is then 0.
     const float group_max =
         fmaxf(fmaxf(r.half_max[j], __shfl_xor_sync(kFull, r.half_max[j], 1)), 0.f);
     // The code of a non-negative quotient or NaN (0x7F) in the low byte, the rest 0.
     const uint32_t sf_bits = E4m3x2(DivideGroupMax<kFast>(group_max, divisor), 0.f);
-    const uint32_t code = kTree ? EncodeE2m1ChunkTree(RePair(r.raw[j]), table.u[sf_bits])
-                                : EncodeE2m1Chunk(RePair(r.raw[j]), table.u[sf_bits]);
+    const uint32_t code = EncodeE2m1Chunk(RePair(r.raw[j]), table.u[sf_bits]);
     if (!kWhole && 32 * j >= valid) continue;
     __stcs(q + 32 * j, code);
     if ((lane & 1) == 0) scale[16 * j] = static_cast<uint8_t>(sf_bits);
   }
 }
 
-template <bool kFast, bool kTree>
+template <int kChunks, bool kFast>
 __device__ __forceinline__ void QuantizeNvfp4LeanRow(const Nvfp4LeanOut& out,
-                                                     const Nvfp4LeanTile& first, const uint4* row,
+                                                     const Nvfp4LeanTile<kChunks>& first, const uint4* row,
                                                      int warp_tile, int tile_chunks, int chunks,
                                                      const Nvfp4LeanTable& table,
                                                      const Nvfp4Divisor& divisor) {
-  if (warp_tile + kNvfp4LeanWarpChunks <= chunks) {
-    QuantizeNvfp4LeanTile<kFast, true, kTree>(out, first, warp_tile, chunks, table, divisor);
+  if (warp_tile + 32 * kChunks <= chunks) {
+    QuantizeNvfp4LeanTile<kChunks, kFast, true>(out, first, warp_tile, chunks, table, divisor);
   } else {
-    QuantizeNvfp4LeanTile<kFast, false, kTree>(out, first, warp_tile, chunks, table, divisor);
+    QuantizeNvfp4LeanTile<kChunks, kFast, false>(out, first, warp_tile, chunks, table, divisor);
   }
   for (int base = tile_chunks; base < chunks; base += tile_chunks) {
-    QuantizeNvfp4LeanTile<kFast, false, kTree>(out, LoadNvfp4LeanTile(row, base + warp_tile, chunks),
-                                        base + warp_tile, chunks, table, divisor);
+    QuantizeNvfp4LeanTile<kChunks, kFast, false>(
+        out, LoadNvfp4LeanTile<kChunks>(row, base + warp_tile, chunks), base + warp_tile, chunks,
+        table, divisor);
   }
 }
 
-template <bool kTree, int kRegisters = kNvfp4Registers>
+template <int kChunks, int kRegisters>
 __global__ void __maxnreg__(kRegisters)
     StageNvfp4LeanKernel(const StagingParams p, int remap_blocks) {
   ProgrammaticStart();
@@ -701,12 +669,12 @@ __global__ void __maxnreg__(kRegisters)
   const int64_t t = blockIdx.x - remap_blocks;
   const int chunks = p.hidden_size / 8;
   const uint4* row = reinterpret_cast<const uint4*>(p.x) + t * chunks;
-  const int tile_chunks = static_cast<int>(blockDim.x / 32) * kNvfp4LeanWarpChunks;
-  const int warp_tile = static_cast<int>(threadIdx.x / 32) * kNvfp4LeanWarpChunks;
-  const Nvfp4LeanTile first = LoadNvfp4LeanTile(row, warp_tile, chunks);
+  const int tile_chunks = static_cast<int>(blockDim.x / 32) * 32 * kChunks;
+  const int warp_tile = static_cast<int>(threadIdx.x / 32) * 32 * kChunks;
+  const Nvfp4LeanTile<kChunks> first = LoadNvfp4LeanTile<kChunks>(row, warp_tile, chunks);
   float amax = LeanTileMax(first);
   for (int base = tile_chunks; base < chunks; base += tile_chunks) {
-    amax = fmaxf(amax, LeanTileMax(LoadNvfp4LeanTile(row, base + warp_tile, chunks)));
+    amax = fmaxf(amax, LeanTileMax(LoadNvfp4LeanTile<kChunks>(row, base + warp_tile, chunks)));
   }
   const float x_scale = __fdiv_rn(fmaxf(BlockMax(amax), FLT_MIN), 2688.f);
   if (threadIdx.x == 0) p.token_scale[t] = x_scale;
@@ -716,9 +684,9 @@ __global__ void __maxnreg__(kRegisters)
   const Nvfp4LeanOut out = {reinterpret_cast<uint32_t*>(p.q + t * (chunks * 4)),
                             reinterpret_cast<uint8_t*>(p.scales + t * (chunks / 8))};
   if (divisor.fast) {
-    QuantizeNvfp4LeanRow<true, kTree>(out, first, row, warp_tile, tile_chunks, chunks, table, divisor);
+    QuantizeNvfp4LeanRow<kChunks, true>(out, first, row, warp_tile, tile_chunks, chunks, table, divisor);
   } else {
-    QuantizeNvfp4LeanRow<false, kTree>(out, first, row, warp_tile, tile_chunks, chunks, table, divisor);
+    QuantizeNvfp4LeanRow<kChunks, false>(out, first, row, warp_tile, tile_chunks, chunks, table, divisor);
   }
 }
 
@@ -735,7 +703,10 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   int threads = mx_threads;
   int64_t quant_blocks = 0;
   if (nvfp4) {
-    const int per_warp = p.nvfp4_kernel == 1 ? kNvfp4WarpChunks : kNvfp4LeanWarpChunks;
+    const int per_warp = p.nvfp4_kernel == 1   ? kNvfp4WarpChunks
+                         : p.nvfp4_kernel == 4 ? 32 * 8
+                         : p.nvfp4_kernel >= 2 ? 32 * 7
+                                               : 32 * 4;
     const int warps = (p.hidden_size / 8 + per_warp - 1) / per_warp;
     threads = 32 * std::min(std::max(warps, 1), kNvfp4MaxThreads / 32);
     if (quantize) quant_blocks = p.tokens;
@@ -757,10 +728,10 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   // 1024-thread MXFP8 blocks measured faster without it (a waiting block holds half an SM).
   config.numAttrs = p.programmatic && (nvfp4 || mx_threads != 1024) ? 1 : 0;
   void (*kernel)(StagingParams, int) = nvfp4 ? (p.nvfp4_kernel == 1   ? StageNvfp4Kernel
-                                                 : p.nvfp4_kernel == 2 ? StageNvfp4LeanKernel<true>
-                                                 : p.nvfp4_kernel == 3 ? StageNvfp4LeanKernel<true, 48>
-                                                 : p.nvfp4_kernel == 4 ? StageNvfp4LeanKernel<true, 64>
-                                                                       : StageNvfp4LeanKernel<false>)
+                                                 : p.nvfp4_kernel == 2 ? StageNvfp4LeanKernel<7, 64>
+                                                 : p.nvfp4_kernel == 3 ? StageNvfp4LeanKernel<7, 72>
+                                                 : p.nvfp4_kernel == 4 ? StageNvfp4LeanKernel<8, 72>
+                                                 : StageNvfp4LeanKernel<4, kNvfp4Registers>)
                                        : mx_threads == 1024 ? StageMxfp8Kernel<1024>
                                        : mx_threads == 512  ? StageMxfp8Kernel<512>
                                                             : StageMxfp8Kernel<256>;

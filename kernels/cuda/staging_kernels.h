@@ -61,7 +61,7 @@ struct StagingParams {
   // from 2^19 chunks of 8 elements, 256 below).
   int32_t mxfp8_block_threads = 0;
   // Tuning: the NVFP4 kernel, 0 the lean one (default), 1 the block kernel with half-group swaps,
-  // 2 the lean one with the tally summed as a tree, 3 and 4 that with 48 and 64 registers.
+  // 2-4 the lean one with 7, 7 and 8 chunks of 8 elements per lane (64, 72, 72 registers).
   int32_t nvfp4_kernel = 0;
 };
 
