@@ -704,7 +704,7 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   int64_t quant_blocks = 0;
   if (nvfp4) {
     const int per_warp = p.nvfp4_kernel == 1   ? kNvfp4WarpChunks
-                         : p.nvfp4_kernel == 4 ? 32 * 8
+                         : p.nvfp4_kernel >= 4 ? 32 * 14
                          : p.nvfp4_kernel >= 2 ? 32 * 7
                                                : 32 * 4;
     const int warps = (p.hidden_size / 8 + per_warp - 1) / per_warp;
@@ -730,7 +730,8 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   void (*kernel)(StagingParams, int) = nvfp4 ? (p.nvfp4_kernel == 1   ? StageNvfp4Kernel
                                                  : p.nvfp4_kernel == 2 ? StageNvfp4LeanKernel<7, 64>
                                                  : p.nvfp4_kernel == 3 ? StageNvfp4LeanKernel<7, 72>
-                                                 : p.nvfp4_kernel == 4 ? StageNvfp4LeanKernel<8, 72>
+                                                 : p.nvfp4_kernel == 4 ? StageNvfp4LeanKernel<14, 104>
+                                                 : p.nvfp4_kernel == 5 ? StageNvfp4LeanKernel<14, 128>
                                                  : StageNvfp4LeanKernel<4, kNvfp4Registers>)
                                        : mx_threads == 1024 ? StageMxfp8Kernel<1024>
                                        : mx_threads == 512  ? StageMxfp8Kernel<512>
