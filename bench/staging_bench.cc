@@ -39,7 +39,7 @@ ABSL_FLAG(int, reps, 50, "graph replays timed at 4096 tokens");
 ABSL_FLAG(bool, small, true, "also time 1, 8 and 64 tokens");
 ABSL_FLAG(bool, sweep, false, "also time MXFP8 blocks of 256, 512 and 1024 threads at 4096 tokens");
 ABSL_FLAG(int, nvfp4_kernel_rounds, 0,
-          "also time the NVFP4 kernels (StagingParams::nvfp4_kernel 0 to 5) at 4096 tokens, "
+          "also time the NVFP4 kernels (StagingParams::nvfp4_kernel 0 to 4) at 4096 tokens, "
           "alternating, this many rounds");
 
 namespace moe::bench {
@@ -204,7 +204,7 @@ int Main() {
     for (int round = 0; format == StagingFormat::kNvfp4 &&
                         round < absl::GetFlag(FLAGS_nvfp4_kernel_rounds);
          ++round) {
-      for (int kernel : {1, 0, 2, 3, 4, 5}) {
+      for (int kernel : {1, 0, 2, 3, 4}) {
         for (auto& set : big) set->params.nvfp4_kernel = kernel;
         const double t = TimeLaunches(big, 1, absl::GetFlag(FLAGS_reps), stream);
         std::printf("nvfp4 4096 x %lld, kernel %d, round %d: %8.2f us, %.1f%% of copy bandwidth\n",

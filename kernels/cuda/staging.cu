@@ -658,20 +658,53 @@ __device__ __forceinline__ void QuantizeNvfp4LeanRow(const Nvfp4LeanOut& out,
   }
 }
 
-template <int kChunks, int kRegisters>
-__global__ void __maxnreg__(kRegisters)
-    StageNvfp4LeanKernel(const StagingParams p, int remap_blocks) {
-  ProgrammaticStart();
-  if (static_cast<int>(blockIdx.x) < remap_blocks) {
-    RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
-    return;
+// Row prefetch for blocks of two rows: each lane copies its own chunks of the next row's first
+// tile into its own shared-memory slots (cp.async, 16 bytes each, no registers held) while the
+// current row is quantized, and reads back only what it copied itself, so no barrier guards the
+// slots. Slot (j, lane) of warp w: slots[(w * kChunks + j) * 32 + lane].
+template <int kChunks>
+__device__ __forceinline__ void PrefetchNvfp4LeanTile(uint4* slots, const uint4* row, int tile,
+                                                      int chunks) {
+  const int lane = threadIdx.x & 31;
+  const uint4* p = row + tile + lane;
+  const int valid = chunks - tile - lane;
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(slots + lane));
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    if (32 * j < valid) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + 512 * j),
+                   "l"(p + 32 * j)
+                   : "memory");
+    }
   }
-  const int64_t t = blockIdx.x - remap_blocks;
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int kChunks>
+__device__ __forceinline__ Nvfp4LeanTile<kChunks> ReadPrefetchedNvfp4LeanTile(const uint4* slots,
+                                                                              int tile,
+                                                                              int chunks) {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  const int lane = threadIdx.x & 31;
+  const int valid = chunks - tile - lane;
+  Nvfp4LeanTile<kChunks> r;
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    r.raw[j] = 32 * j < valid ? slots[32 * j + lane] : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) r.half_max[j] = LargerHalf(ChunkAbsMaxXorsign(r.raw[j]));
+  return r;
+}
+
+// Row t, its first tile already in `first`.
+template <int kChunks>
+__device__ __forceinline__ void QuantizeNvfp4LeanRowFrom(const StagingParams& p, int64_t t,
+                                                         const Nvfp4LeanTile<kChunks>& first) {
   const int chunks = p.hidden_size / 8;
   const uint4* row = reinterpret_cast<const uint4*>(p.x) + t * chunks;
   const int tile_chunks = static_cast<int>(blockDim.x / 32) * 32 * kChunks;
   const int warp_tile = static_cast<int>(threadIdx.x / 32) * 32 * kChunks;
-  const Nvfp4LeanTile<kChunks> first = LoadNvfp4LeanTile<kChunks>(row, warp_tile, chunks);
   float amax = LeanTileMax(first);
   for (int base = tile_chunks; base < chunks; base += tile_chunks) {
     amax = fmaxf(amax, LeanTileMax(LoadNvfp4LeanTile<kChunks>(row, base + warp_tile, chunks)));
@@ -684,9 +717,45 @@ __global__ void __maxnreg__(kRegisters)
   const Nvfp4LeanOut out = {reinterpret_cast<uint32_t*>(p.q + t * (chunks * 4)),
                             reinterpret_cast<uint8_t*>(p.scales + t * (chunks / 8))};
   if (divisor.fast) {
-    QuantizeNvfp4LeanRow<kChunks, true>(out, first, row, warp_tile, tile_chunks, chunks, table, divisor);
+    QuantizeNvfp4LeanRow<kChunks, true>(out, first, row, warp_tile, tile_chunks, chunks, table,
+                                        divisor);
   } else {
-    QuantizeNvfp4LeanRow<kChunks, false>(out, first, row, warp_tile, tile_chunks, chunks, table, divisor);
+    QuantizeNvfp4LeanRow<kChunks, false>(out, first, row, warp_tile, tile_chunks, chunks, table,
+                                         divisor);
+  }
+}
+
+// kRows rows per block (1 or 2; 2 only where a row is one tile). With 2 the second row's first
+// tile is prefetched into dynamic shared memory (blockDim.x * kChunks * 16 bytes). The table and
+// the BlockMax partials are reused across the rows: the next row's first barrier comes after
+// every thread's last read of them.
+template <int kChunks, int kRegisters, int kRows>
+__global__ void __maxnreg__(kRegisters)
+    StageNvfp4LeanKernel(const StagingParams p, int remap_blocks) {
+  static_assert(kRows == 1 || kRows == 2);
+  ProgrammaticStart();
+  if (static_cast<int>(blockIdx.x) < remap_blocks) {
+    RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
+    return;
+  }
+  const int64_t t = static_cast<int64_t>(blockIdx.x - remap_blocks) * kRows;
+  const int chunks = p.hidden_size / 8;
+  const uint4* x = reinterpret_cast<const uint4*>(p.x);
+  const int warp_tile = static_cast<int>(threadIdx.x / 32) * 32 * kChunks;
+  if constexpr (kRows == 1) {
+    QuantizeNvfp4LeanRowFrom<kChunks>(
+        p, t, LoadNvfp4LeanTile<kChunks>(x + t * chunks, warp_tile, chunks));
+  } else {
+    extern __shared__ uint4 prefetch[];
+    uint4* slots = prefetch + warp_tile;
+    const bool second = t + 1 < p.tokens;
+    if (second) PrefetchNvfp4LeanTile<kChunks>(slots, x + (t + 1) * chunks, warp_tile, chunks);
+    QuantizeNvfp4LeanRowFrom<kChunks>(
+        p, t, LoadNvfp4LeanTile<kChunks>(x + t * chunks, warp_tile, chunks));
+    if (second) {
+      QuantizeNvfp4LeanRowFrom<kChunks>(
+          p, t + 1, ReadPrefetchedNvfp4LeanTile<kChunks>(slots, warp_tile, chunks));
+    }
   }
 }
 
@@ -702,14 +771,22 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   if (mx_threads != 256 && mx_threads != 512 && mx_threads != 1024) return cudaErrorInvalidValue;
   int threads = mx_threads;
   int64_t quant_blocks = 0;
+  int rows_per_block = 1;
+  size_t dynamic_smem = 0;
   if (nvfp4) {
-    const int per_warp = p.nvfp4_kernel == 1   ? kNvfp4WarpChunks
-                         : p.nvfp4_kernel >= 4 ? 32 * 14
-                         : p.nvfp4_kernel >= 2 ? 32 * 7
-                                               : 32 * 4;
+    const int per_warp = p.nvfp4_kernel == 1 ? kNvfp4WarpChunks
+                         : p.nvfp4_kernel == 0 || p.nvfp4_kernel == 4 ? 32 * 4
+                                                                      : 32 * 7;
     const int warps = (p.hidden_size / 8 + per_warp - 1) / per_warp;
     threads = 32 * std::min(std::max(warps, 1), kNvfp4MaxThreads / 32);
-    if (quantize) quant_blocks = p.tokens;
+    // Two rows per block (kernels 3 and 4) where a row is one tile and the prefetch slots fit.
+    const bool one_tile = warps <= kNvfp4MaxThreads / 32;
+    const int64_t slot_bytes = static_cast<int64_t>(threads / 32) * per_warp * 16;
+    if (p.nvfp4_kernel >= 3 && one_tile && slot_bytes <= 48 * 1024) {
+      rows_per_block = 2;
+      dynamic_smem = static_cast<size_t>(slot_bytes);
+    }
+    if (quantize) quant_blocks = (p.tokens + rows_per_block - 1) / rows_per_block;
   } else if (quantize) {
     const int64_t per_block = static_cast<int64_t>(mx_threads) * kMxfp8ThreadChunks;
     quant_blocks = (mx_chunks + per_block - 1) / per_block;
@@ -720,6 +797,7 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(quant_blocks + remap_blocks));
   config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = dynamic_smem;
   config.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -727,15 +805,23 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   config.attrs = attr;
   // 1024-thread MXFP8 blocks measured faster without it (a waiting block holds half an SM).
   config.numAttrs = p.programmatic && (nvfp4 || mx_threads != 1024) ? 1 : 0;
-  void (*kernel)(StagingParams, int) = nvfp4 ? (p.nvfp4_kernel == 1   ? StageNvfp4Kernel
-                                                 : p.nvfp4_kernel == 2 ? StageNvfp4LeanKernel<7, 64>
-                                                 : p.nvfp4_kernel == 3 ? StageNvfp4LeanKernel<7, 72>
-                                                 : p.nvfp4_kernel == 4 ? StageNvfp4LeanKernel<14, 104>
-                                                 : p.nvfp4_kernel == 5 ? StageNvfp4LeanKernel<14, 128>
-                                                 : StageNvfp4LeanKernel<4, kNvfp4Registers>)
-                                       : mx_threads == 1024 ? StageMxfp8Kernel<1024>
-                                       : mx_threads == 512  ? StageMxfp8Kernel<512>
-                                                            : StageMxfp8Kernel<256>;
+  void (*kernel)(StagingParams, int) = StageMxfp8Kernel<256>;
+  if (!nvfp4) {
+    kernel = mx_threads == 1024  ? StageMxfp8Kernel<1024>
+             : mx_threads == 512 ? StageMxfp8Kernel<512>
+                                 : StageMxfp8Kernel<256>;
+  } else if (p.nvfp4_kernel == 1) {
+    kernel = StageNvfp4Kernel;
+  } else if (p.nvfp4_kernel == 2) {
+    kernel = StageNvfp4LeanKernel<7, 72, 1>;
+  } else if (p.nvfp4_kernel == 3) {
+    kernel = rows_per_block == 2 ? StageNvfp4LeanKernel<7, 72, 2> : StageNvfp4LeanKernel<7, 72, 1>;
+  } else if (p.nvfp4_kernel == 4) {
+    kernel = rows_per_block == 2 ? StageNvfp4LeanKernel<4, kNvfp4Registers, 2>
+                                 : StageNvfp4LeanKernel<4, kNvfp4Registers, 1>;
+  } else {
+    kernel = StageNvfp4LeanKernel<4, kNvfp4Registers, 1>;
+  }
   return cudaLaunchKernelEx(&config, kernel, p, remap_blocks);
 }
 

@@ -204,7 +204,7 @@ TEST(StagingCudaTest, Mxfp8MatchesCpuBitForBit) {
 
 TEST(StagingCudaTest, Nvfp4MatchesCpuBitForBit) {
   const uint64_t seed = FreshSeed();
-  for (int kernel : {0, 1, 2, 3, 4, 5}) {
+  for (int kernel : {0, 1, 2, 3, 4}) {
     for (int64_t tokens : {1, 2, 7, 64, 333, 4096}) {
       for (int64_t hidden : {128, 576, 2880, 7168}) {
         CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + tokens * 17 + hidden, 0, true,

@@ -61,8 +61,8 @@ struct StagingParams {
   // from 2^19 chunks of 8 elements, 256 below).
   int32_t mxfp8_block_threads = 0;
   // Tuning: the NVFP4 kernel, 0 the lean one (default), 1 the block kernel with half-group swaps,
-  // 2-5 the lean one with 7, 7, 14 and 14 chunks of 8 elements per lane (64, 72, 104, 128
-  // registers).
+  // 2 the lean one with 7 chunks of 8 elements per lane (72 registers), 3 that with two rows per
+  // block (the second prefetched into shared memory), 4 the lean one with two rows per block.
   int32_t nvfp4_kernel = 0;
 };
 
