@@ -38,10 +38,6 @@ ABSL_FLAG(std::vector<std::string>, formats, std::vector<std::string>({"mxfp8", 
 ABSL_FLAG(int, reps, 50, "graph replays timed at 4096 tokens");
 ABSL_FLAG(bool, small, true, "also time 1, 8 and 64 tokens");
 ABSL_FLAG(bool, sweep, false, "also time MXFP8 blocks of 256, 512 and 1024 threads at 4096 tokens");
-ABSL_FLAG(int, nvfp4_kernel_rounds, 0,
-          "also time the NVFP4 kernels (StagingParams::nvfp4_kernel 0 to 4) at 4096 tokens, "
-          "alternating, this many rounds");
-
 namespace moe::bench {
 namespace {
 
@@ -49,13 +45,10 @@ using cuda::DeviceBuffer;
 using cuda::StagingFormat;
 using cuda::StagingParams;
 
-
 constexpr int kExperts = 256;
 constexpr int kSlots = 288;
 constexpr int kTopK = 8;
 constexpr int64_t kHidden = 7168;
-
-
 
 // One input set with its outputs.
 struct StagingSet {
@@ -152,7 +145,8 @@ int Main() {
 
   std::mt19937_64 rng(11);
   std::vector<int32_t> p2l(kSlots);
-  for (int s = 0; s < kSlots; ++s) p2l[s] = s < kExperts ? s : static_cast<int32_t>(rng() % kExperts);
+  for (int s = 0; s < kSlots; ++s)
+    p2l[s] = s < kExperts ? s : static_cast<int32_t>(rng() % kExperts);
   absl::StatusOr<LayerPlacement> placement = LayerPlacement::Create(p2l, kExperts);
   BENCH_CHECK_OK(placement.status());
   absl::StatusOr<std::unique_ptr<cuda::DevicePlacement>> dp = cuda::UploadPlacement(*placement);
@@ -188,10 +182,11 @@ int Main() {
             set->params.programmatic = programmatic;
           }
           const double t = TimeLaunches(big, 1, absl::GetFlag(FLAGS_reps), stream);
-          std::printf("mxfp8 4096 x %lld, %d-thread blocks, programmatic %d: %8.2f us, %.1f%% of "
-                      "copy bandwidth\n",
-                      static_cast<long long>(kHidden), threads, programmatic ? 1 : 0, t,
-                      100 * bytes / (t * 1e-6) / copy_bw);
+          std::printf(
+              "mxfp8 4096 x %lld, %d-thread blocks, programmatic %d: %8.2f us, %.1f%% of "
+              "copy bandwidth\n",
+              static_cast<long long>(kHidden), threads, programmatic ? 1 : 0, t,
+              100 * bytes / (t * 1e-6) / copy_bw);
           block_sweep[absl::StrCat(threads, programmatic ? "_pdl" : "_plain")] = t;
         }
       }
@@ -200,34 +195,24 @@ int Main() {
         set->params.programmatic = true;
       }
     }
-    nlohmann::json kernel_rounds = nlohmann::json::array();
-    for (int round = 0; format == StagingFormat::kNvfp4 &&
-                        round < absl::GetFlag(FLAGS_nvfp4_kernel_rounds);
-         ++round) {
-      for (int kernel : {1, 0, 2, 3, 4}) {
-        for (auto& set : big) set->params.nvfp4_kernel = kernel;
-        const double t = TimeLaunches(big, 1, absl::GetFlag(FLAGS_reps), stream);
-        std::printf("nvfp4 4096 x %lld, kernel %d, round %d: %8.2f us, %.1f%% of copy bandwidth\n",
-                    static_cast<long long>(kHidden), kernel, round, t,
-                    100 * bytes / (t * 1e-6) / copy_bw);
-        kernel_rounds.push_back({{"kernel", kernel}, {"round", round}, {"us", t}});
-      }
-    }
-    for (auto& set : big) set->params.nvfp4_kernel = 0;
     const double rate = bytes / (us * 1e-6);
-    std::printf("%s 4096 x %lld + remap + load: %8.2f us, %.1f MB, %.3f TB/s = %.1f%% of copy "
-                "bandwidth (target >= 80%%) %s\n",
-                name, static_cast<long long>(kHidden), us, bytes / 1e6, rate / 1e12,
-                100 * rate / copy_bw, rate >= 0.8 * copy_bw ? "MET" : "missed");
+    std::printf(
+        "%s 4096 x %lld + remap + load: %8.2f us, %.1f MB, %.3f TB/s = %.1f%% of copy "
+        "bandwidth (target >= 80%%) %s\n",
+        name, static_cast<long long>(kHidden), us, bytes / 1e6, rate / 1e12, 100 * rate / copy_bw,
+        rate >= 0.8 * copy_bw ? "MET" : "missed");
     std::printf("%s 4096 x %lld without programmatic launch: %8.2f us, %.1f%% of copy bandwidth\n",
                 name, static_cast<long long>(kHidden), plain_us,
                 100 * bytes / (plain_us * 1e-6) / copy_bw);
-    points.push_back({{"format", name}, {"tokens", 4096}, {"hidden", kHidden},
-                      {"median_us_per_launch", us}, {"median_us_per_launch_no_pdl", plain_us},
+    points.push_back({{"format", name},
+                      {"tokens", 4096},
+                      {"hidden", kHidden},
+                      {"median_us_per_launch", us},
+                      {"median_us_per_launch_no_pdl", plain_us},
                       {"mxfp8_block_threads_sweep_us", block_sweep},
-                      {"nvfp4_kernel_rounds_us", kernel_rounds},
                       {"bytes", bytes},
-                      {"TBps", rate / 1e12}, {"fraction_of_copy_bw", rate / copy_bw},
+                      {"TBps", rate / 1e12},
+                      {"fraction_of_copy_bw", rate / copy_bw},
                       {"target_fraction", 0.8}});
     big.clear();
     if (!absl::GetFlag(FLAGS_small)) continue;
@@ -236,23 +221,27 @@ int Main() {
       one.push_back(MakeSet(format, tokens, **dp, load, hosted, rng));
       const double single = TimeLaunches(one, 1, 200, stream);
       const double chained = TimeLaunches(one, 32, 50, stream);
-      std::printf("%s T=%2lld: graph of one launch %.2f us (target <= 8 us) %s; back-to-back "
-                  "%.2f us per launch\n",
-                  name, static_cast<long long>(tokens), single, single <= 8 ? "MET" : "missed",
-                  chained);
+      std::printf(
+          "%s T=%2lld: graph of one launch %.2f us (target <= 8 us) %s; back-to-back "
+          "%.2f us per launch\n",
+          name, static_cast<long long>(tokens), single, single <= 8 ? "MET" : "missed", chained);
       if (format == StagingFormat::kMxfp8 && absl::GetFlag(FLAGS_sweep)) {
         for (int threads : {256, 1024}) {
           one[0]->params.mxfp8_block_threads = threads;
-          std::printf("mxfp8 T=%2lld, %d-thread blocks: graph of one launch %.2f us; back-to-back "
-                      "%.2f us per launch\n",
-                      static_cast<long long>(tokens), threads,
-                      TimeLaunches(one, 1, 200, stream), TimeLaunches(one, 32, 50, stream));
+          std::printf(
+              "mxfp8 T=%2lld, %d-thread blocks: graph of one launch %.2f us; back-to-back "
+              "%.2f us per launch\n",
+              static_cast<long long>(tokens), threads, TimeLaunches(one, 1, 200, stream),
+              TimeLaunches(one, 32, 50, stream));
         }
         one[0]->params.mxfp8_block_threads = 0;
       }
-      points.push_back({{"format", name}, {"tokens", tokens}, {"hidden", kHidden},
+      points.push_back({{"format", name},
+                        {"tokens", tokens},
+                        {"hidden", kHidden},
                         {"graph_of_one_launch_median_us", single},
-                        {"back_to_back_us_per_launch", chained}, {"target_us", 8}});
+                        {"back_to_back_us_per_launch", chained},
+                        {"target_us", 8}});
     }
   }
   nlohmann::json out = {

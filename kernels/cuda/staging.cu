@@ -10,12 +10,13 @@
 // before any arithmetic), one block-sized stride apart so that every load instruction of a warp
 // reads 512 contiguous bytes; four lanes form a group of 32, sixteen lanes a packed scale word.
 // NVFP4: one block per token row (the token scale needs the whole row's amax first). A warp covers
-// 128 chunks (64 groups of 16) of the row per tile with four coalesced loads per lane; lanes 2p
-// and 2p+1 then swap half-groups so that each lane holds two whole groups. The row stays in
-// registers between the amax and the encode (one read of the row, one block barrier). E2M1 codes
-// come from bf16x2 comparisons per element pair against per-group thresholds (the seven rounding
-// boundaries: one masked comparison, then three counted in BF16 arithmetic) instead of a division
-// per element.
+// 224 chunks of the row per tile with seven coalesced loads per lane; a lane holds half of each of
+// its groups, swaps only the half maxima with its partner lane, and encodes and stores its own
+// chunks. The row stays in registers between the amax and the encode (one read of the row, two
+// block barriers: the amax and a per-row table of thresholds). E2M1 codes come from bf16x2
+// comparisons per element pair against per-group thresholds (the seven rounding boundaries: one
+// masked comparison, then three counted in BF16 arithmetic) instead of a division per element;
+// the group scale quotients from a per-row reciprocal and two FMAs instead of a division.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -39,15 +40,16 @@ constexpr int kMxfp8LargeThreads = 1024;
 constexpr int64_t kMxfp8LargeChunks = int64_t{1} << 19;  // 256 blocks of 1024 x 2 chunks
 // MXFP8 chunks per thread: 2 measured best on the H200 (1: the same, 4 and 8: slower).
 constexpr int kMxfp8ThreadChunks = 2;
-// NVFP4: groups of 16 per lane and row tile (two 16-byte loads each), so a warp covers 128
-// chunks and a block of up to 32 warps 32768 elements of a row; longer rows loop over tiles
-// (and read the row twice).
-constexpr int kNvfp4LaneGroups = 2;
-constexpr int kNvfp4WarpChunks = 64 * kNvfp4LaneGroups;
+// NVFP4: chunks of 8 elements per lane and row tile, so a warp covers 224 chunks and a block of
+// up to 32 warps 57344 elements of a row; longer rows loop over tiles (and read the row twice).
+// 7 per lane gives H = 7168 blocks of 4 warps and, with the register cap of 72 (no spills), 7
+// blocks (rows) per SM: 26.6-26.9 us at 4096 x 7168 on the H200, against 28.8-29.2 for 4 per lane
+// (7 warps per row, 56 registers, 5 rows per SM), 28.0-28.3 for 14 per lane (2 warps per row, 9
+// rows per SM), 27.4 for 8 and 29.9 for two rows per block with the second prefetched into
+// shared memory (NOTES-cuda.md, "Session of 2026-12-02, fourth").
+constexpr int kNvfp4LaneChunks = 7;
 constexpr int kNvfp4MaxThreads = 1024;
-// Register cap of the NVFP4 kernel: 56 keeps 5 blocks of 224 threads (H = 7168) per SM without
-// spills; 64 measured 4-5% slower, 48 the same as 56 (NOTES-cuda.md).
-constexpr int kNvfp4Registers = 56;
+constexpr int kNvfp4Registers = 72;
 // MXFP8 element codes and E4M3 block scales of NVFP4 through the hardware conversion
 // (cvt.rn.satfinite.e4m3x2.f32: round half to even, saturate to +-448 (infinities too),
 // NaN -> 0x7F), which gives the bytes of FloatToE4m3; staging_cuda_test checks it. false: the
@@ -259,8 +261,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   const int64_t chunks = static_cast<int64_t>(p.tokens) * p.hidden_size / 8;
   const int64_t first =
-      static_cast<int64_t>(blockIdx.x - remap_blocks) * kThreads * kMxfp8ThreadChunks +
-      threadIdx.x;
+      static_cast<int64_t>(blockIdx.x - remap_blocks) * kThreads * kMxfp8ThreadChunks + threadIdx.x;
   const uint4* x = reinterpret_cast<const uint4*>(p.x);
   uint4 raw[kMxfp8ThreadChunks];
 #pragma unroll
@@ -365,53 +366,6 @@ __device__ __forceinline__ uint32_t EncodeE2m1Chunk(const ChunkPairs& c, const E
   return (tally[0] & 0x003B003Bu) | (tally[1] & 0x003B003Bu) << 8 | bits;
 }
 
-// What a lane holds of one warp tile: kNvfp4LaneGroups groups, each as this lane's chunk and its
-// partner's.
-struct Nvfp4LaneTile {
-  ChunkPairs own[kNvfp4LaneGroups], other[kNvfp4LaneGroups];
-  float group_max[kNvfp4LaneGroups];  // NaN-free
-  int group[kNvfp4LaneGroups];        // group index within the row
-};
-
-// Load and exchange stage. Lane i of the warp whose tile starts at chunk `tile` reads chunks
-// tile + 32j + i (every load instruction of the warp reads 512 contiguous bytes); chunk 32j + i
-// is half (i & 1) of group 16j + i / 2. Lanes 2p + b keep their loads j = 2k + b and swap the
-// others with the partner, so that they hold groups 32k + 16b + p whole. Called by whole warps.
-__device__ __forceinline__ Nvfp4LaneTile LoadNvfp4Tile(const uint4* row, int tile, int chunks) {
-  const int lane = threadIdx.x & 31;
-  const bool odd = (lane & 1) != 0;
-  uint4 v[2 * kNvfp4LaneGroups];
-#pragma unroll
-  for (int j = 0; j < 2 * kNvfp4LaneGroups; ++j) {
-    const int c = tile + 32 * j + lane;
-    v[j] = c < chunks ? LoadOnce(row + c) : make_uint4(0, 0, 0, 0);
-  }
-  Nvfp4LaneTile r;
-#pragma unroll
-  for (int k = 0; k < kNvfp4LaneGroups; ++k) {
-    const uint4& even_load = v[2 * k];
-    const uint4& odd_load = v[2 * k + 1];
-    const uint4 own = odd ? odd_load : even_load;
-    const uint4 send = odd ? even_load : odd_load;
-    const uint4 other =
-        make_uint4(__shfl_xor_sync(kFull, send.x, 1), __shfl_xor_sync(kFull, send.y, 1),
-                   __shfl_xor_sync(kFull, send.z, 1), __shfl_xor_sync(kFull, send.w, 1));
-    r.own[k] = RePair(own);
-    r.other[k] = RePair(other);
-    // An all-NaN group gives NaN here; the CPU's amax is then 0.
-    r.group_max[k] = fmaxf(LargerHalf(MaxBf16x2(ChunkAbsMax(own), ChunkAbsMax(other))), 0.f);
-    r.group[k] = tile / 2 + 32 * k + 16 * (lane & 1) + lane / 2;
-  }
-  return r;
-}
-
-__device__ __forceinline__ float TileMax(const Nvfp4LaneTile& r) {
-  float m = r.group_max[0];
-#pragma unroll
-  for (int k = 1; k < kNvfp4LaneGroups; ++k) m = fmaxf(m, r.group_max[k]);
-  return m;
-}
-
 // Largest of every thread's `v` (block-wide; every thread gets it). One barrier; call once.
 __device__ __forceinline__ float BlockMax(float v) {
   __shared__ float partial[kNvfp4MaxThreads / 32];
@@ -426,102 +380,14 @@ __device__ __forceinline__ float BlockMax(float v) {
   return v;
 }
 
-// Where row t's outputs go.
-struct Nvfp4RowOut {
-  uint2* q;         // 8 bytes per group
-  int32_t* scales;  // one word per 4 groups
-  int groups;       // a multiple of 4: scale words are valid or invalid as a whole
-};
-
-// The thresholds of every block-scale byte a row can produce (sf = E4M3 of a non-negative
-// quotient: 0x00..0x7E, or 0x7F for NaN), for the row's token scale, in shared memory: a group
-// then looks its thresholds up instead of computing them. keep[b] is all ones where the unit
-// sf * x_scale is positive; it is 0 or NaN exactly when the CPU writes code 0 for every element
-// (sf = 0, or an infinite token scale: 0 * inf, or NaN sf from inf / inf); otherwise it is at
-// least 2^-149.
-struct Nvfp4ScaleTable {
-  E2m1Thresholds u[128];
-  uint32_t keep[128];
-};
-
-// Fills `table` for the row's token scale; the whole block calls it (one barrier at the end).
-__device__ __forceinline__ void BuildScaleTable(Nvfp4ScaleTable& table, float x_scale) {
-  for (int b = threadIdx.x; b < 128; b += blockDim.x) {
-    const float unit = __fmul_rn(E4m3Decode(static_cast<uint32_t>(b)), x_scale);
-    table.keep[b] = unit > 0.f ? kFull : 0u;
-    table.u[b] = GroupThresholds(unit);
-  }
-  __syncthreads();
-}
-
-// Encode and store stage for a lane's groups. Called by whole warps.
-__device__ __forceinline__ void QuantizeNvfp4Tile(const Nvfp4RowOut& out, const Nvfp4LaneTile& r,
-                                                  const Nvfp4ScaleTable& table,
-                                                  float sf_denominator) {
-  const int lane = threadIdx.x & 31;
-  const bool odd = (lane & 1) != 0;
-#pragma unroll
-  for (int k = 0; k < kNvfp4LaneGroups; ++k) {
-    const uint32_t sf_bits = E4m3x2(__fdiv_rn(r.group_max[k], sf_denominator), 0.f) & 0xFFu;
-    // A set sign bit (-0, -NaN) gives a unit that is not positive: no codes, as before.
-    const uint32_t index = sf_bits & 0x7Fu;
-    const uint32_t keep = sf_bits < 0x80u ? table.keep[index] : 0u;
-    const E2m1Thresholds u = table.u[index];
-    const uint32_t own = EncodeE2m1Chunk(r.own[k], u) & keep;
-    const uint32_t other = EncodeE2m1Chunk(r.other[k], u) & keep;
-    // Scale byte of group g in byte g % 4 of word g / 4: lanes 2p + b with p = 4q .. 4q + 3.
-    uint32_t word = sf_bits << (8 * ((lane >> 1) & 3));
-    word |= __shfl_xor_sync(kFull, word, 2);
-    word |= __shfl_xor_sync(kFull, word, 4);
-    const int g = r.group[k];
-    if (g >= out.groups) continue;
-    out.q[g] = odd ? make_uint2(other, own) : make_uint2(own, other);
-    if (((lane >> 1) & 3) == 0) out.scales[g / 4] = static_cast<int32_t>(word);
-  }
-}
-
-// Block size: one warp per kNvfp4WarpChunks chunks of the row, at most kNvfp4MaxThreads.
-__global__ void __maxnreg__(kNvfp4Registers)
-    StageNvfp4Kernel(const StagingParams p, int remap_blocks) {
-  ProgrammaticStart();
-  if (static_cast<int>(blockIdx.x) < remap_blocks) {
-    RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
-    return;
-  }
-  const int64_t t = blockIdx.x - remap_blocks;
-  const int chunks = p.hidden_size / 8;
-  const uint4* row = reinterpret_cast<const uint4*>(p.x) + t * chunks;
-  const int tile_chunks = static_cast<int>(blockDim.x / 32) * kNvfp4WarpChunks;
-  const int warp_tile = static_cast<int>(threadIdx.x / 32) * kNvfp4WarpChunks;
-  const Nvfp4LaneTile first = LoadNvfp4Tile(row, warp_tile, chunks);
-  float amax = TileMax(first);
-  for (int base = tile_chunks; base < chunks; base += tile_chunks) {
-    amax = fmaxf(amax, TileMax(LoadNvfp4Tile(row, base + warp_tile, chunks)));
-  }
-  const float x_scale = __fdiv_rn(fmaxf(BlockMax(amax), FLT_MIN), 2688.f);
-  if (threadIdx.x == 0) p.token_scale[t] = x_scale;
-  const float sf_denominator = __fmul_rn(6.f, x_scale);
-  __shared__ Nvfp4ScaleTable table;
-  BuildScaleTable(table, x_scale);
-  const Nvfp4RowOut out = {reinterpret_cast<uint2*>(p.q + t * (chunks * 4)),
-                           p.scales + t * (chunks / 8), chunks / 2};
-  QuantizeNvfp4Tile(out, first, table, sf_denominator);
-  for (int base = tile_chunks; base < chunks; base += tile_chunks) {
-    QuantizeNvfp4Tile(out, LoadNvfp4Tile(row, base + warp_tile, chunks), table, sf_denominator);
-  }
-}
-
-
-// ---- NVFP4, lean form: a lane keeps each of its chunks (half a group) and encodes it itself.
-
-// Lane i of the warp whose tile starts at chunk `tile` holds chunks tile + 32j + i, j < kChunks;
-// chunk c is half c % 2 of group c / 2, so lanes 2p and 2p + 1 hold the two halves of each group
-// and swap only their half maxima (one shuffle per chunk). Each lane then works out the group's
-// scale byte itself (both halves compute the same one) and writes its chunk's four code bytes.
-template <int kChunks>
-struct Nvfp4LeanTile {
-  uint4 raw[kChunks];
-  float half_max[kChunks];  // NaN only for an all-NaN chunk
+// What a lane holds of one warp tile: chunks tile + 32j + lane, j < kNvfp4LaneChunks (every load
+// instruction of the warp reads 512 contiguous bytes). Chunk c is half c % 2 of group c / 2, so
+// lanes 2p and 2p + 1 hold the two halves of each group and swap only their half maxima (one
+// shuffle per chunk). Each lane then works out the group's scale byte itself (both halves compute
+// the same one) and writes its chunk's four code bytes.
+struct Nvfp4Tile {
+  uint4 raw[kNvfp4LaneChunks];
+  float half_max[kNvfp4LaneChunks];  // NaN only for an all-NaN chunk
 };
 
 // max(|a|, |b|) per half, the sign bit the XOR of the signs (NaN operands as in max.bf16x2).
@@ -533,30 +399,32 @@ __device__ __forceinline__ uint32_t MaxAbsXorsignBf16x2(uint32_t a, uint32_t b) 
 
 // ChunkAbsMax in three max.xorsign.abs and one mask.
 __device__ __forceinline__ uint32_t ChunkAbsMaxXorsign(const uint4& v) {
-  return AbsBf16x2(MaxAbsXorsignBf16x2(MaxAbsXorsignBf16x2(v.x, v.y), MaxAbsXorsignBf16x2(v.z, v.w)));
+  return AbsBf16x2(
+      MaxAbsXorsignBf16x2(MaxAbsXorsignBf16x2(v.x, v.y), MaxAbsXorsignBf16x2(v.z, v.w)));
 }
 
-template <int kChunks>
-__device__ __forceinline__ Nvfp4LeanTile<kChunks> LoadNvfp4LeanTile(const uint4* row, int tile,
-                                                                    int chunks) {
+// Load stage of a lane's chunks of the tile starting at chunk `tile` (zeros past the row's end).
+// Called by whole warps.
+__device__ __forceinline__ Nvfp4Tile LoadNvfp4Tile(const uint4* row, int tile, int chunks) {
   const int lane = threadIdx.x & 31;
   const uint4* p = row + tile + lane;
   const int valid = chunks - tile - lane;  // chunks j with 32 j < valid exist
-  Nvfp4LeanTile<kChunks> r;
+  Nvfp4Tile r;
 #pragma unroll
-  for (int j = 0; j < kChunks; ++j) {
+  for (int j = 0; j < kNvfp4LaneChunks; ++j) {
     r.raw[j] = 32 * j < valid ? LoadOnce(p + 32 * j) : make_uint4(0, 0, 0, 0);
   }
 #pragma unroll
-  for (int j = 0; j < kChunks; ++j) r.half_max[j] = LargerHalf(ChunkAbsMaxXorsign(r.raw[j]));
+  for (int j = 0; j < kNvfp4LaneChunks; ++j) {
+    r.half_max[j] = LargerHalf(ChunkAbsMaxXorsign(r.raw[j]));
+  }
   return r;
 }
 
-template <int kChunks>
-__device__ __forceinline__ float LeanTileMax(const Nvfp4LeanTile<kChunks>& r) {
+__device__ __forceinline__ float TileMax(const Nvfp4Tile& r) {
   float m = r.half_max[0];
 #pragma unroll
-  for (int j = 1; j < kChunks; ++j) m = fmaxf(m, r.half_max[j]);
+  for (int j = 1; j < kNvfp4LaneChunks; ++j) m = fmaxf(m, r.half_max[j]);
   return m;
 }
 
@@ -591,11 +459,11 @@ __device__ __forceinline__ float DivideGroupMax(float g, const Nvfp4Divisor& v) 
 // no sign) where that unit is not positive (sf = 0, or NaN from an infinite token scale or a NaN
 // sf), exactly where the CPU writes code 0. Scale bytes are never above 0x7F here (the quotient
 // is never negative). The whole block calls it (one barrier at the end).
-struct Nvfp4LeanTable {
+struct Nvfp4ScaleTable {
   E2m1Thresholds u[128];
 };
 
-__device__ __forceinline__ void BuildLeanTable(Nvfp4LeanTable& table, float x_scale) {
+__device__ __forceinline__ void BuildScaleTable(Nvfp4ScaleTable& table, float x_scale) {
   for (int b = threadIdx.x; b < 128; b += blockDim.x) {
     const float unit = __fmul_rn(E4m3Decode(static_cast<uint32_t>(b)), x_scale);
     E2m1Thresholds u;
@@ -611,23 +479,26 @@ __device__ __forceinline__ void BuildLeanTable(Nvfp4LeanTable& table, float x_sc
   __syncthreads();
 }
 
-struct Nvfp4LeanOut {
+// Where row t's outputs go.
+struct Nvfp4RowOut {
   uint32_t* q;     // 4 bytes per chunk
   uint8_t* scale;  // 1 byte per group
 };
 
-// kWhole: every chunk of the warp's tile exists (no checks, no divergence around the shuffles).
-template <int kChunks, bool kFast, bool kWhole>
-__device__ __forceinline__ void QuantizeNvfp4LeanTile(const Nvfp4LeanOut& out,
-                                                      const Nvfp4LeanTile<kChunks>& r, int tile,
-                                                      int chunks, const Nvfp4LeanTable& table,
-                                                      const Nvfp4Divisor& divisor) {
+// Encode and store stage of a lane's chunks. Called by whole warps. kFast: the row's divisor is
+// fast (DivideGroupMax); kWhole: every chunk of the warp's tile exists (no checks, no divergence
+// around the shuffles).
+template <bool kFast, bool kWhole>
+__device__ __forceinline__ void QuantizeNvfp4Tile(const Nvfp4RowOut& out, const Nvfp4Tile& r,
+                                                  int tile, int chunks,
+                                                  const Nvfp4ScaleTable& table,
+                                                  const Nvfp4Divisor& divisor) {
   const int lane = threadIdx.x & 31;
   uint32_t* q = out.q + tile + lane;
   uint8_t* scale = out.scale + (tile + lane) / 2;  // tile is even
   const int valid = chunks - tile - lane;
 #pragma unroll
-  for (int j = 0; j < kChunks; ++j) {
+  for (int j = 0; j < kNvfp4LaneChunks; ++j) {
     // NaN only where both halves are all NaN: the CPU's amax is then 0.
     const float group_max =
         fmaxf(fmaxf(r.half_max[j], __shfl_xor_sync(kFull, r.half_max[j], 1)), 0.f);
@@ -640,123 +511,62 @@ __device__ __forceinline__ void QuantizeNvfp4LeanTile(const Nvfp4LeanOut& out,
   }
 }
 
-template <int kChunks, bool kFast>
-__device__ __forceinline__ void QuantizeNvfp4LeanRow(const Nvfp4LeanOut& out,
-                                                     const Nvfp4LeanTile<kChunks>& first, const uint4* row,
-                                                     int warp_tile, int tile_chunks, int chunks,
-                                                     const Nvfp4LeanTable& table,
-                                                     const Nvfp4Divisor& divisor) {
-  if (warp_tile + 32 * kChunks <= chunks) {
-    QuantizeNvfp4LeanTile<kChunks, kFast, true>(out, first, warp_tile, chunks, table, divisor);
+template <bool kFast>
+__device__ __forceinline__ void QuantizeNvfp4Tiles(const Nvfp4RowOut& out, const Nvfp4Tile& first,
+                                                   const uint4* row, int warp_tile, int tile_chunks,
+                                                   int chunks, const Nvfp4ScaleTable& table,
+                                                   const Nvfp4Divisor& divisor) {
+  if (warp_tile + 32 * kNvfp4LaneChunks <= chunks) {
+    QuantizeNvfp4Tile<kFast, true>(out, first, warp_tile, chunks, table, divisor);
   } else {
-    QuantizeNvfp4LeanTile<kChunks, kFast, false>(out, first, warp_tile, chunks, table, divisor);
+    QuantizeNvfp4Tile<kFast, false>(out, first, warp_tile, chunks, table, divisor);
   }
   for (int base = tile_chunks; base < chunks; base += tile_chunks) {
-    QuantizeNvfp4LeanTile<kChunks, kFast, false>(
-        out, LoadNvfp4LeanTile<kChunks>(row, base + warp_tile, chunks), base + warp_tile, chunks,
-        table, divisor);
+    QuantizeNvfp4Tile<kFast, false>(out, LoadNvfp4Tile(row, base + warp_tile, chunks),
+                                    base + warp_tile, chunks, table, divisor);
   }
 }
 
-// Row prefetch for blocks of two rows: each lane copies its own chunks of the next row's first
-// tile into its own shared-memory slots (cp.async, 16 bytes each, no registers held) while the
-// current row is quantized, and reads back only what it copied itself, so no barrier guards the
-// slots. Slot (j, lane) of warp w: slots[(w * kChunks + j) * 32 + lane].
-template <int kChunks>
-__device__ __forceinline__ void PrefetchNvfp4LeanTile(uint4* slots, const uint4* row, int tile,
-                                                      int chunks) {
-  const int lane = threadIdx.x & 31;
-  const uint4* p = row + tile + lane;
-  const int valid = chunks - tile - lane;
-  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(slots + lane));
-#pragma unroll
-  for (int j = 0; j < kChunks; ++j) {
-    if (32 * j < valid) {
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + 512 * j),
-                   "l"(p + 32 * j)
-                   : "memory");
-    }
-  }
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-template <int kChunks>
-__device__ __forceinline__ Nvfp4LeanTile<kChunks> ReadPrefetchedNvfp4LeanTile(const uint4* slots,
-                                                                              int tile,
-                                                                              int chunks) {
-  asm volatile("cp.async.wait_all;" ::: "memory");
-  const int lane = threadIdx.x & 31;
-  const int valid = chunks - tile - lane;
-  Nvfp4LeanTile<kChunks> r;
-#pragma unroll
-  for (int j = 0; j < kChunks; ++j) {
-    r.raw[j] = 32 * j < valid ? slots[32 * j + lane] : make_uint4(0, 0, 0, 0);
-  }
-#pragma unroll
-  for (int j = 0; j < kChunks; ++j) r.half_max[j] = LargerHalf(ChunkAbsMaxXorsign(r.raw[j]));
-  return r;
-}
-
-// Row t, its first tile already in `first`.
-template <int kChunks>
-__device__ __forceinline__ void QuantizeNvfp4LeanRowFrom(const StagingParams& p, int64_t t,
-                                                         const Nvfp4LeanTile<kChunks>& first) {
+// Row t, the warp's part of its first tile already in `first`. Called by the whole block.
+__device__ __forceinline__ void QuantizeNvfp4Row(const StagingParams& p, int64_t t,
+                                                 const Nvfp4Tile& first) {
   const int chunks = p.hidden_size / 8;
   const uint4* row = reinterpret_cast<const uint4*>(p.x) + t * chunks;
-  const int tile_chunks = static_cast<int>(blockDim.x / 32) * 32 * kChunks;
-  const int warp_tile = static_cast<int>(threadIdx.x / 32) * 32 * kChunks;
-  float amax = LeanTileMax(first);
+  const int tile_chunks = static_cast<int>(blockDim.x / 32) * 32 * kNvfp4LaneChunks;
+  const int warp_tile = static_cast<int>(threadIdx.x / 32) * 32 * kNvfp4LaneChunks;
+  float amax = TileMax(first);
   for (int base = tile_chunks; base < chunks; base += tile_chunks) {
-    amax = fmaxf(amax, LeanTileMax(LoadNvfp4LeanTile<kChunks>(row, base + warp_tile, chunks)));
+    amax = fmaxf(amax, TileMax(LoadNvfp4Tile(row, base + warp_tile, chunks)));
   }
   const float x_scale = __fdiv_rn(fmaxf(BlockMax(amax), FLT_MIN), 2688.f);
   if (threadIdx.x == 0) p.token_scale[t] = x_scale;
   const Nvfp4Divisor divisor = MakeNvfp4Divisor(__fmul_rn(6.f, x_scale));
-  __shared__ Nvfp4LeanTable table;
-  BuildLeanTable(table, x_scale);
-  const Nvfp4LeanOut out = {reinterpret_cast<uint32_t*>(p.q + t * (chunks * 4)),
-                            reinterpret_cast<uint8_t*>(p.scales + t * (chunks / 8))};
+  __shared__ Nvfp4ScaleTable table;
+  BuildScaleTable(table, x_scale);
+  const Nvfp4RowOut out = {reinterpret_cast<uint32_t*>(p.q + t * (chunks * 4)),
+                           reinterpret_cast<uint8_t*>(p.scales + t * (chunks / 8))};
   if (divisor.fast) {
-    QuantizeNvfp4LeanRow<kChunks, true>(out, first, row, warp_tile, tile_chunks, chunks, table,
-                                        divisor);
+    QuantizeNvfp4Tiles<true>(out, first, row, warp_tile, tile_chunks, chunks, table, divisor);
   } else {
-    QuantizeNvfp4LeanRow<kChunks, false>(out, first, row, warp_tile, tile_chunks, chunks, table,
-                                         divisor);
+    QuantizeNvfp4Tiles<false>(out, first, row, warp_tile, tile_chunks, chunks, table, divisor);
   }
 }
 
-// kRows rows per block (1 or 2; 2 only where a row is one tile). With 2 the second row's first
-// tile is prefetched into dynamic shared memory (blockDim.x * kChunks * 16 bytes). The table and
-// the BlockMax partials are reused across the rows: the next row's first barrier comes after
-// every thread's last read of them.
-template <int kChunks, int kRegisters, int kRows>
-__global__ void __maxnreg__(kRegisters)
-    StageNvfp4LeanKernel(const StagingParams p, int remap_blocks) {
-  static_assert(kRows == 1 || kRows == 2);
+// One block per token row (the token scale needs the whole row's amax first), one warp per
+// 32 * kNvfp4LaneChunks chunks of it, at most kNvfp4MaxThreads threads (longer rows loop over
+// tiles and read the row twice).
+__global__ void __maxnreg__(kNvfp4Registers)
+    StageNvfp4Kernel(const StagingParams p, int remap_blocks) {
   ProgrammaticStart();
   if (static_cast<int>(blockIdx.x) < remap_blocks) {
     RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
     return;
   }
-  const int64_t t = static_cast<int64_t>(blockIdx.x - remap_blocks) * kRows;
+  const int64_t t = blockIdx.x - remap_blocks;
   const int chunks = p.hidden_size / 8;
-  const uint4* x = reinterpret_cast<const uint4*>(p.x);
-  const int warp_tile = static_cast<int>(threadIdx.x / 32) * 32 * kChunks;
-  if constexpr (kRows == 1) {
-    QuantizeNvfp4LeanRowFrom<kChunks>(
-        p, t, LoadNvfp4LeanTile<kChunks>(x + t * chunks, warp_tile, chunks));
-  } else {
-    extern __shared__ uint4 prefetch[];
-    uint4* slots = prefetch + warp_tile;
-    const bool second = t + 1 < p.tokens;
-    if (second) PrefetchNvfp4LeanTile<kChunks>(slots, x + (t + 1) * chunks, warp_tile, chunks);
-    QuantizeNvfp4LeanRowFrom<kChunks>(
-        p, t, LoadNvfp4LeanTile<kChunks>(x + t * chunks, warp_tile, chunks));
-    if (second) {
-      QuantizeNvfp4LeanRowFrom<kChunks>(
-          p, t + 1, ReadPrefetchedNvfp4LeanTile<kChunks>(slots, warp_tile, chunks));
-    }
-  }
+  const int warp_tile = static_cast<int>(threadIdx.x / 32) * 32 * kNvfp4LaneChunks;
+  QuantizeNvfp4Row(
+      p, t, LoadNvfp4Tile(reinterpret_cast<const uint4*>(p.x) + t * chunks, warp_tile, chunks));
 }
 
 }  // namespace
@@ -765,28 +575,17 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   const bool nvfp4 = p.format == StagingFormat::kNvfp4;
   const bool quantize = p.x != nullptr && p.tokens > 0;
   const int64_t mx_chunks = static_cast<int64_t>(p.tokens) * p.hidden_size / 8;
-  const int mx_threads = p.mxfp8_block_threads != 0        ? p.mxfp8_block_threads
+  const int mx_threads = p.mxfp8_block_threads != 0       ? p.mxfp8_block_threads
                          : mx_chunks >= kMxfp8LargeChunks ? kMxfp8LargeThreads
                                                           : kMxfp8Threads;
   if (mx_threads != 256 && mx_threads != 512 && mx_threads != 1024) return cudaErrorInvalidValue;
   int threads = mx_threads;
   int64_t quant_blocks = 0;
-  int rows_per_block = 1;
-  size_t dynamic_smem = 0;
   if (nvfp4) {
-    const int per_warp = p.nvfp4_kernel == 1 ? kNvfp4WarpChunks
-                         : p.nvfp4_kernel == 0 || p.nvfp4_kernel == 4 ? 32 * 4
-                                                                      : 32 * 7;
+    const int per_warp = 32 * kNvfp4LaneChunks;
     const int warps = (p.hidden_size / 8 + per_warp - 1) / per_warp;
     threads = 32 * std::min(std::max(warps, 1), kNvfp4MaxThreads / 32);
-    // Two rows per block (kernels 3 and 4) where a row is one tile and the prefetch slots fit.
-    const bool one_tile = warps <= kNvfp4MaxThreads / 32;
-    const int64_t slot_bytes = static_cast<int64_t>(threads / 32) * per_warp * 16;
-    if (p.nvfp4_kernel >= 3 && one_tile && slot_bytes <= 48 * 1024) {
-      rows_per_block = 2;
-      dynamic_smem = static_cast<size_t>(slot_bytes);
-    }
-    if (quantize) quant_blocks = (p.tokens + rows_per_block - 1) / rows_per_block;
+    if (quantize) quant_blocks = p.tokens;
   } else if (quantize) {
     const int64_t per_block = static_cast<int64_t>(mx_threads) * kMxfp8ThreadChunks;
     quant_blocks = (mx_chunks + per_block - 1) / per_block;
@@ -797,7 +596,6 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(quant_blocks + remap_blocks));
   config.blockDim = dim3(static_cast<unsigned>(threads));
-  config.dynamicSmemBytes = dynamic_smem;
   config.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -805,23 +603,10 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   config.attrs = attr;
   // 1024-thread MXFP8 blocks measured faster without it (a waiting block holds half an SM).
   config.numAttrs = p.programmatic && (nvfp4 || mx_threads != 1024) ? 1 : 0;
-  void (*kernel)(StagingParams, int) = StageMxfp8Kernel<256>;
-  if (!nvfp4) {
-    kernel = mx_threads == 1024  ? StageMxfp8Kernel<1024>
-             : mx_threads == 512 ? StageMxfp8Kernel<512>
-                                 : StageMxfp8Kernel<256>;
-  } else if (p.nvfp4_kernel == 1) {
-    kernel = StageNvfp4Kernel;
-  } else if (p.nvfp4_kernel == 2) {
-    kernel = StageNvfp4LeanKernel<7, 72, 1>;
-  } else if (p.nvfp4_kernel == 3) {
-    kernel = rows_per_block == 2 ? StageNvfp4LeanKernel<7, 72, 2> : StageNvfp4LeanKernel<7, 72, 1>;
-  } else if (p.nvfp4_kernel == 4) {
-    kernel = rows_per_block == 2 ? StageNvfp4LeanKernel<4, kNvfp4Registers, 2>
-                                 : StageNvfp4LeanKernel<4, kNvfp4Registers, 1>;
-  } else {
-    kernel = StageNvfp4LeanKernel<4, kNvfp4Registers, 1>;
-  }
+  void (*kernel)(StagingParams, int) = nvfp4                ? StageNvfp4Kernel
+                                       : mx_threads == 1024 ? StageMxfp8Kernel<1024>
+                                       : mx_threads == 512  ? StageMxfp8Kernel<512>
+                                                            : StageMxfp8Kernel<256>;
   return cudaLaunchKernelEx(&config, kernel, p, remap_blocks);
 }
 

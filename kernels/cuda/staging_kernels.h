@@ -5,8 +5,8 @@
 // QuantizeNvfp4PerToken (kernels/staging.h), MapLogicalToPhysical and RecordLoad (kernels/eplb.h).
 //
 // Called by staging_runner.cc (validation + launch) and through it by tests and benchmarks.
-// Thread-safety: the launcher is reentrant; Params are plain values. All pointers are device memory.
-// Host-side header: needs only the CUDA runtime API.
+// Thread-safety: the launcher is reentrant; Params are plain values. All pointers are device
+// memory. Host-side header: needs only the CUDA runtime API.
 #ifndef MOE_KERNELS_CUDA_STAGING_KERNELS_H_
 #define MOE_KERNELS_CUDA_STAGING_KERNELS_H_
 
@@ -60,10 +60,6 @@ struct StagingParams {
   // Tuning: threads per MXFP8 quantization block, 256, 512 or 1024; 0: the measured best (1024
   // from 2^19 chunks of 8 elements, 256 below).
   int32_t mxfp8_block_threads = 0;
-  // Tuning: the NVFP4 kernel, 0 the lean one (default), 1 the block kernel with half-group swaps,
-  // 2 the lean one with 7 chunks of 8 elements per lane (72 registers), 3 that with two rows per
-  // block (the second prefetched into shared memory), 4 the lean one with two rows per block.
-  int32_t nvfp4_kernel = 0;
 };
 
 // Enqueues the fused staging kernel (one launch). REQUIRES: the Params are consistent (see
