@@ -41,14 +41,15 @@ constexpr int64_t kMxfp8LargeChunks = int64_t{1} << 19;  // 256 blocks of 1024 x
 // MXFP8 chunks per thread: 2 measured best on the H200 (1: the same, 4 and 8: slower).
 constexpr int kMxfp8ThreadChunks = 2;
 // NVFP4: chunks of 8 elements per lane and row tile, so a warp covers 224 chunks and a block of
-// up to 32 warps 57344 elements of a row; longer rows loop over tiles (and read the row twice).
+// up to 28 warps (the most that 72 registers per thread allow in one block) 50176 elements of a
+// row; longer rows loop over tiles (and read the row twice).
 // 7 per lane gives H = 7168 blocks of 4 warps and, with the register cap of 72 (no spills), 7
 // blocks (rows) per SM: 26.6-26.9 us at 4096 x 7168 on the H200, against 28.8-29.2 for 4 per lane
 // (7 warps per row, 56 registers, 5 rows per SM), 28.0-28.3 for 14 per lane (2 warps per row, 9
 // rows per SM), 27.4 for 8 and 29.9 for two rows per block with the second prefetched into
 // shared memory (NOTES-cuda.md, "Session of 2026-12-02, fourth").
 constexpr int kNvfp4LaneChunks = 7;
-constexpr int kNvfp4MaxThreads = 1024;
+constexpr int kNvfp4MaxThreads = 28 * 32;
 constexpr int kNvfp4Registers = 72;
 // MXFP8 element codes and E4M3 block scales of NVFP4 through the hardware conversion
 // (cvt.rn.satfinite.e4m3x2.f32: round half to even, saturate to +-448 (infinities too),

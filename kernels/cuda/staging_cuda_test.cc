@@ -209,7 +209,7 @@ TEST(StagingCudaTest, Nvfp4MatchesCpuBitForBit) {
       CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + tokens * 17 + hidden);
     }
   }
-  // Rows longer than one block tile (57344 elements) are read twice, tile by tile.
+  // Rows longer than one block tile (50176 elements) are read twice, tile by tile.
   for (int64_t tokens : {1, 7}) {
     CheckCase(StagingFormat::kNvfp4, tokens, 61440, seed + tokens * 17 + 61440);
   }
