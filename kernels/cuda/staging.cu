@@ -40,17 +40,21 @@ constexpr int kMxfp8LargeThreads = 1024;
 constexpr int64_t kMxfp8LargeChunks = int64_t{1} << 19;  // 256 blocks of 1024 x 2 chunks
 // MXFP8 chunks per thread: 2 measured best on the H200 (1: the same, 4 and 8: slower).
 constexpr int kMxfp8ThreadChunks = 2;
-// NVFP4: chunks of 8 elements per lane and row tile, so a warp covers 224 chunks and a block of
-// up to 28 warps (the most that 72 registers per thread allow in one block) 50176 elements of a
-// row; longer rows loop over tiles (and read the row twice).
-// 7 per lane gives H = 7168 blocks of 4 warps and, with the register cap of 72 (no spills), 7
-// blocks (rows) per SM: 26.6-26.9 us at 4096 x 7168 on the H200, against 28.8-29.2 for 4 per lane
-// (7 warps per row, 56 registers, 5 rows per SM), 28.0-28.3 for 14 per lane (2 warps per row, 9
-// rows per SM), 27.4 for 8 and 29.9 for two rows per block with the second prefetched into
-// shared memory (NOTES-cuda.md, "Session of 2026-12-02, fourth").
-constexpr int kNvfp4LaneChunks = 7;
-constexpr int kNvfp4MaxThreads = 28 * 32;
-constexpr int kNvfp4Registers = 72;
+// NVFP4: C chunks of 8 elements per lane and row tile (Nvfp4Shape): a warp covers 32 C chunks of
+// a row and a block at most kMaxWarps warps (the most its register cap allows in one block);
+// longer rows loop over tiles (and read the row twice). C = 7 gives H = 7168 blocks of 4 warps
+// and, with the register cap of 72 (no spills), 7 blocks (rows) per SM: 26.4-26.9 us at 4096 x
+// 7168 on the H200, against 28.8-29.2 for C = 4 (7 warps per row, cap 56, 5 rows per SM),
+// 28.0-28.3 for 14 (2 warps per row, 9 rows per SM), 27.4 for 8 and 29.9 for two rows per block
+// with the second prefetched into shared memory (NOTES-cuda.md, "Session of 2026-12-02,
+// fourth"). The launcher takes C = 4 where it pads a row less (H = 2048: 7 would leave 43% of
+// the lanes idle).
+template <int kLaneChunks>
+struct Nvfp4Shape {
+  static constexpr int kRegisters = kLaneChunks == 7 ? 72 : 56;
+  static constexpr int kMaxWarps = std::min(32, 65536 / (kRegisters * 32));
+};
+constexpr int kNvfp4MaxWarps = 32;  // of any shape (BlockMax's partials)
 // MXFP8 element codes and E4M3 block scales of NVFP4 through the hardware conversion
 // (cvt.rn.satfinite.e4m3x2.f32: round half to even, saturate to +-448 (infinities too),
 // NaN -> 0x7F), which gives the bytes of FloatToE4m3; staging_cuda_test checks it. false: the
@@ -369,7 +373,7 @@ __device__ __forceinline__ uint32_t EncodeE2m1Chunk(const ChunkPairs& c, const E
 
 // Largest of every thread's `v` (block-wide; every thread gets it). One barrier; call once.
 __device__ __forceinline__ float BlockMax(float v) {
-  __shared__ float partial[kNvfp4MaxThreads / 32];
+  __shared__ float partial[kNvfp4MaxWarps];
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
@@ -381,14 +385,15 @@ __device__ __forceinline__ float BlockMax(float v) {
   return v;
 }
 
-// What a lane holds of one warp tile: chunks tile + 32j + lane, j < kNvfp4LaneChunks (every load
+// What a lane holds of one warp tile: chunks tile + 32j + lane, j < kLaneChunks (every load
 // instruction of the warp reads 512 contiguous bytes). Chunk c is half c % 2 of group c / 2, so
 // lanes 2p and 2p + 1 hold the two halves of each group and swap only their half maxima (one
 // shuffle per chunk). Each lane then works out the group's scale byte itself (both halves compute
 // the same one) and writes its chunk's four code bytes.
+template <int kLaneChunks>
 struct Nvfp4Tile {
-  uint4 raw[kNvfp4LaneChunks];
-  float half_max[kNvfp4LaneChunks];  // NaN only for an all-NaN chunk
+  uint4 raw[kLaneChunks];
+  float half_max[kLaneChunks];  // NaN only for an all-NaN chunk
 };
 
 // max(|a|, |b|) per half, the sign bit the XOR of the signs (NaN operands as in max.bf16x2).
@@ -406,26 +411,29 @@ __device__ __forceinline__ uint32_t ChunkAbsMaxXorsign(const uint4& v) {
 
 // Load stage of a lane's chunks of the tile starting at chunk `tile` (zeros past the row's end).
 // Called by whole warps.
-__device__ __forceinline__ Nvfp4Tile LoadNvfp4Tile(const uint4* row, int tile, int chunks) {
+template <int kLaneChunks>
+__device__ __forceinline__ Nvfp4Tile<kLaneChunks> LoadNvfp4Tile(const uint4* row, int tile,
+                                                                int chunks) {
   const int lane = threadIdx.x & 31;
   const uint4* p = row + tile + lane;
   const int valid = chunks - tile - lane;  // chunks j with 32 j < valid exist
-  Nvfp4Tile r;
+  Nvfp4Tile<kLaneChunks> r;
 #pragma unroll
-  for (int j = 0; j < kNvfp4LaneChunks; ++j) {
+  for (int j = 0; j < kLaneChunks; ++j) {
     r.raw[j] = 32 * j < valid ? LoadOnce(p + 32 * j) : make_uint4(0, 0, 0, 0);
   }
 #pragma unroll
-  for (int j = 0; j < kNvfp4LaneChunks; ++j) {
+  for (int j = 0; j < kLaneChunks; ++j) {
     r.half_max[j] = LargerHalf(ChunkAbsMaxXorsign(r.raw[j]));
   }
   return r;
 }
 
-__device__ __forceinline__ float TileMax(const Nvfp4Tile& r) {
+template <int kLaneChunks>
+__device__ __forceinline__ float TileMax(const Nvfp4Tile<kLaneChunks>& r) {
   float m = r.half_max[0];
 #pragma unroll
-  for (int j = 1; j < kNvfp4LaneChunks; ++j) m = fmaxf(m, r.half_max[j]);
+  for (int j = 1; j < kLaneChunks; ++j) m = fmaxf(m, r.half_max[j]);
   return m;
 }
 
@@ -489,17 +497,17 @@ struct Nvfp4RowOut {
 // Encode and store stage of a lane's chunks. Called by whole warps. kFast: the row's divisor is
 // fast (DivideGroupMax); kWhole: every chunk of the warp's tile exists (no checks, no divergence
 // around the shuffles).
-template <bool kFast, bool kWhole>
-__device__ __forceinline__ void QuantizeNvfp4Tile(const Nvfp4RowOut& out, const Nvfp4Tile& r,
-                                                  int tile, int chunks,
-                                                  const Nvfp4ScaleTable& table,
+template <int kLaneChunks, bool kFast, bool kWhole>
+__device__ __forceinline__ void QuantizeNvfp4Tile(const Nvfp4RowOut& out,
+                                                  const Nvfp4Tile<kLaneChunks>& r, int tile,
+                                                  int chunks, const Nvfp4ScaleTable& table,
                                                   const Nvfp4Divisor& divisor) {
   const int lane = threadIdx.x & 31;
   uint32_t* q = out.q + tile + lane;
   uint8_t* scale = out.scale + (tile + lane) / 2;  // tile is even
   const int valid = chunks - tile - lane;
 #pragma unroll
-  for (int j = 0; j < kNvfp4LaneChunks; ++j) {
+  for (int j = 0; j < kLaneChunks; ++j) {
     // NaN only where both halves are all NaN: the CPU's amax is then 0.
     const float group_max =
         fmaxf(fmaxf(r.half_max[j], __shfl_xor_sync(kFull, r.half_max[j], 1)), 0.f);
@@ -512,32 +520,35 @@ __device__ __forceinline__ void QuantizeNvfp4Tile(const Nvfp4RowOut& out, const 
   }
 }
 
-template <bool kFast>
-__device__ __forceinline__ void QuantizeNvfp4Tiles(const Nvfp4RowOut& out, const Nvfp4Tile& first,
+template <int kLaneChunks, bool kFast>
+__device__ __forceinline__ void QuantizeNvfp4Tiles(const Nvfp4RowOut& out,
+                                                   const Nvfp4Tile<kLaneChunks>& first,
                                                    const uint4* row, int warp_tile, int tile_chunks,
                                                    int chunks, const Nvfp4ScaleTable& table,
                                                    const Nvfp4Divisor& divisor) {
-  if (warp_tile + 32 * kNvfp4LaneChunks <= chunks) {
-    QuantizeNvfp4Tile<kFast, true>(out, first, warp_tile, chunks, table, divisor);
+  if (warp_tile + 32 * kLaneChunks <= chunks) {
+    QuantizeNvfp4Tile<kLaneChunks, kFast, true>(out, first, warp_tile, chunks, table, divisor);
   } else {
-    QuantizeNvfp4Tile<kFast, false>(out, first, warp_tile, chunks, table, divisor);
+    QuantizeNvfp4Tile<kLaneChunks, kFast, false>(out, first, warp_tile, chunks, table, divisor);
   }
   for (int base = tile_chunks; base < chunks; base += tile_chunks) {
-    QuantizeNvfp4Tile<kFast, false>(out, LoadNvfp4Tile(row, base + warp_tile, chunks),
-                                    base + warp_tile, chunks, table, divisor);
+    QuantizeNvfp4Tile<kLaneChunks, kFast, false>(
+        out, LoadNvfp4Tile<kLaneChunks>(row, base + warp_tile, chunks), base + warp_tile, chunks,
+        table, divisor);
   }
 }
 
 // Row t, the warp's part of its first tile already in `first`. Called by the whole block.
+template <int kLaneChunks>
 __device__ __forceinline__ void QuantizeNvfp4Row(const StagingParams& p, int64_t t,
-                                                 const Nvfp4Tile& first) {
+                                                 const Nvfp4Tile<kLaneChunks>& first) {
   const int chunks = p.hidden_size / 8;
   const uint4* row = reinterpret_cast<const uint4*>(p.x) + t * chunks;
-  const int tile_chunks = static_cast<int>(blockDim.x / 32) * 32 * kNvfp4LaneChunks;
-  const int warp_tile = static_cast<int>(threadIdx.x / 32) * 32 * kNvfp4LaneChunks;
+  const int tile_chunks = static_cast<int>(blockDim.x / 32) * 32 * kLaneChunks;
+  const int warp_tile = static_cast<int>(threadIdx.x / 32) * 32 * kLaneChunks;
   float amax = TileMax(first);
   for (int base = tile_chunks; base < chunks; base += tile_chunks) {
-    amax = fmaxf(amax, TileMax(LoadNvfp4Tile(row, base + warp_tile, chunks)));
+    amax = fmaxf(amax, TileMax(LoadNvfp4Tile<kLaneChunks>(row, base + warp_tile, chunks)));
   }
   const float x_scale = __fdiv_rn(fmaxf(BlockMax(amax), FLT_MIN), 2688.f);
   if (threadIdx.x == 0) p.token_scale[t] = x_scale;
@@ -547,16 +558,19 @@ __device__ __forceinline__ void QuantizeNvfp4Row(const StagingParams& p, int64_t
   const Nvfp4RowOut out = {reinterpret_cast<uint32_t*>(p.q + t * (chunks * 4)),
                            reinterpret_cast<uint8_t*>(p.scales + t * (chunks / 8))};
   if (divisor.fast) {
-    QuantizeNvfp4Tiles<true>(out, first, row, warp_tile, tile_chunks, chunks, table, divisor);
+    QuantizeNvfp4Tiles<kLaneChunks, true>(out, first, row, warp_tile, tile_chunks, chunks, table,
+                                          divisor);
   } else {
-    QuantizeNvfp4Tiles<false>(out, first, row, warp_tile, tile_chunks, chunks, table, divisor);
+    QuantizeNvfp4Tiles<kLaneChunks, false>(out, first, row, warp_tile, tile_chunks, chunks, table,
+                                           divisor);
   }
 }
 
 // One block per token row (the token scale needs the whole row's amax first), one warp per
-// 32 * kNvfp4LaneChunks chunks of it, at most kNvfp4MaxThreads threads (longer rows loop over
+// 32 * kLaneChunks chunks of it, at most Nvfp4Shape::kMaxWarps warps (longer rows loop over
 // tiles and read the row twice).
-__global__ void __maxnreg__(kNvfp4Registers)
+template <int kLaneChunks>
+__global__ void __maxnreg__(Nvfp4Shape<kLaneChunks>::kRegisters)
     StageNvfp4Kernel(const StagingParams p, int remap_blocks) {
   ProgrammaticStart();
   if (static_cast<int>(blockIdx.x) < remap_blocks) {
@@ -565,9 +579,11 @@ __global__ void __maxnreg__(kNvfp4Registers)
   }
   const int64_t t = blockIdx.x - remap_blocks;
   const int chunks = p.hidden_size / 8;
-  const int warp_tile = static_cast<int>(threadIdx.x / 32) * 32 * kNvfp4LaneChunks;
-  QuantizeNvfp4Row(
-      p, t, LoadNvfp4Tile(reinterpret_cast<const uint4*>(p.x) + t * chunks, warp_tile, chunks));
+  const int warp_tile = static_cast<int>(threadIdx.x / 32) * 32 * kLaneChunks;
+  QuantizeNvfp4Row<kLaneChunks>(
+      p, t,
+      LoadNvfp4Tile<kLaneChunks>(reinterpret_cast<const uint4*>(p.x) + t * chunks, warp_tile,
+                                 chunks));
 }
 
 }  // namespace
@@ -582,10 +598,22 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   if (mx_threads != 256 && mx_threads != 512 && mx_threads != 1024) return cudaErrorInvalidValue;
   int threads = mx_threads;
   int64_t quant_blocks = 0;
+  int nvfp4_lane_chunks = 7;
   if (nvfp4) {
-    const int per_warp = 32 * kNvfp4LaneChunks;
-    const int warps = (p.hidden_size / 8 + per_warp - 1) / per_warp;
-    threads = 32 * std::min(std::max(warps, 1), kNvfp4MaxThreads / 32);
+    // The lane chunks that pad a row's tiles less (7 on a tie).
+    const int chunks = p.hidden_size / 8;
+    auto padded = [chunks](int per_warp, int max_warps) {
+      const int warps = (chunks + per_warp - 1) / per_warp;
+      const int tile = std::min(warps, max_warps) * per_warp;
+      return (chunks + tile - 1) / tile * tile;
+    };
+    nvfp4_lane_chunks =
+        padded(32 * 7, Nvfp4Shape<7>::kMaxWarps) <= padded(32 * 4, Nvfp4Shape<4>::kMaxWarps) ? 7
+                                                                                             : 4;
+    const int max_warps =
+        nvfp4_lane_chunks == 7 ? Nvfp4Shape<7>::kMaxWarps : Nvfp4Shape<4>::kMaxWarps;
+    const int warps = (chunks + 32 * nvfp4_lane_chunks - 1) / (32 * nvfp4_lane_chunks);
+    threads = 32 * std::min(std::max(warps, 1), max_warps);
     if (quantize) quant_blocks = p.tokens;
   } else if (quantize) {
     const int64_t per_block = static_cast<int64_t>(mx_threads) * kMxfp8ThreadChunks;
@@ -604,10 +632,11 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   config.attrs = attr;
   // 1024-thread MXFP8 blocks measured faster without it (a waiting block holds half an SM).
   config.numAttrs = p.programmatic && (nvfp4 || mx_threads != 1024) ? 1 : 0;
-  void (*kernel)(StagingParams, int) = nvfp4                ? StageNvfp4Kernel
-                                       : mx_threads == 1024 ? StageMxfp8Kernel<1024>
-                                       : mx_threads == 512  ? StageMxfp8Kernel<512>
-                                                            : StageMxfp8Kernel<256>;
+  void (*kernel)(StagingParams, int) =
+      nvfp4                ? (nvfp4_lane_chunks == 7 ? StageNvfp4Kernel<7> : StageNvfp4Kernel<4>)
+      : mx_threads == 1024 ? StageMxfp8Kernel<1024>
+      : mx_threads == 512  ? StageMxfp8Kernel<512>
+                           : StageMxfp8Kernel<256>;
   return cudaLaunchKernelEx(&config, kernel, p, remap_blocks);
 }
 

@@ -203,15 +203,19 @@ TEST(StagingCudaTest, Mxfp8MatchesCpuBitForBit) {
 
 TEST(StagingCudaTest, Nvfp4MatchesCpuBitForBit) {
   const uint64_t seed = FreshSeed();
-  // H = 576 and 2880: a block's last warp has a partial tile.
+  // The launcher picks 7 chunks of 8 elements per lane for H = 7168 and 4 for the others; at
+  // H = 576 and 2880 a block's last warp has a partial tile.
   for (int64_t tokens : {1, 2, 7, 64, 333, 4096}) {
     for (int64_t hidden : {128, 576, 2880, 7168}) {
       CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + tokens * 17 + hidden);
     }
   }
-  // Rows longer than one block tile (50176 elements) are read twice, tile by tile.
-  for (int64_t tokens : {1, 7}) {
-    CheckCase(StagingFormat::kNvfp4, tokens, 61440, seed + tokens * 17 + 61440);
+  // Rows longer than one block tile are read twice, tile by tile: 4 lane chunks (H = 61440, tiles
+  // of 32768 elements) and 7 (H = 100352, tiles of 50176).
+  for (int64_t hidden : {61440, 100352}) {
+    for (int64_t tokens : {1, 7}) {
+      CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + tokens * 17 + hidden);
+    }
   }
 }
 
