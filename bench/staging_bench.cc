@@ -40,9 +40,6 @@ ABSL_FLAG(bool, small, true, "also time 1, 8 and 64 tokens");
 ABSL_FLAG(int64_t, hidden, 7168,
           "hidden size, a multiple of 128 (the target is stated at 7168; below 1832 the four "
           "4096-token input sets fit in the 60 MB L2 together)");
-ABSL_FLAG(int, nvfp4_rows_rounds, 0,
-          "experiment: also time NVFP4 blocks of 1 and 2 rows at 4096 tokens, alternating, this "
-          "many rounds");
 ABSL_FLAG(bool, sweep, false, "also time MXFP8 blocks of 256, 512 and 1024 threads at 4096 tokens");
 namespace moe::bench {
 namespace {
@@ -207,19 +204,6 @@ int Main() {
         set->params.programmatic = true;
       }
     }
-    for (int round = 0;
-         format == StagingFormat::kNvfp4 && round < absl::GetFlag(FLAGS_nvfp4_rows_rounds);
-         ++round) {
-      for (int rows : {1, 2}) {
-        for (auto& set : big) set->params.nvfp4_rows_per_block = rows;
-        const double t = TimeLaunches(big, 1, absl::GetFlag(FLAGS_reps), stream);
-        std::printf(
-            "nvfp4 4096 x %lld, %d rows per block, round %d: %8.2f us, %.1f%% of copy "
-            "bandwidth\n",
-            static_cast<long long>(g_hidden), rows, round, t, 100 * bytes / (t * 1e-6) / copy_bw);
-      }
-    }
-    for (auto& set : big) set->params.nvfp4_rows_per_block = 1;
     const double rate = bytes / (us * 1e-6);
     std::printf(
         "%s 4096 x %lld + remap + load: %8.2f us, %.1f MB, %.3f TB/s = %.1f%% of copy "

@@ -566,70 +566,6 @@ __device__ __forceinline__ void QuantizeNvfp4Row(const StagingParams& p, int64_t
   }
 }
 
-// Row prefetch for blocks of two rows: each lane copies its own chunks of the next row's first
-// tile into its own shared-memory slots (cp.async, 16 bytes each, no registers held) while the
-// current row is quantized, and reads back only what it copied itself, so no barrier guards the
-// slots. Slot (j, lane) of the warp whose tile starts at chunk w: slots[w + 32 j + lane].
-template <int kLaneChunks>
-__device__ __forceinline__ void PrefetchNvfp4Tile(uint4* slots, const uint4* row, int tile,
-                                                  int chunks) {
-  const int lane = threadIdx.x & 31;
-  const uint4* p = row + tile + lane;
-  const int valid = chunks - tile - lane;
-  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(slots + lane));
-#pragma unroll
-  for (int j = 0; j < kLaneChunks; ++j) {
-    if (32 * j < valid) {
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + 512 * j),
-                   "l"(p + 32 * j)
-                   : "memory");
-    }
-  }
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-template <int kLaneChunks>
-__device__ __forceinline__ Nvfp4Tile<kLaneChunks> ReadPrefetchedNvfp4Tile(const uint4* slots,
-                                                                          int tile, int chunks) {
-  asm volatile("cp.async.wait_all;" ::: "memory");
-  const int lane = threadIdx.x & 31;
-  const int valid = chunks - tile - lane;
-  Nvfp4Tile<kLaneChunks> r;
-#pragma unroll
-  for (int j = 0; j < kLaneChunks; ++j) {
-    r.raw[j] = 32 * j < valid ? slots[32 * j + lane] : make_uint4(0, 0, 0, 0);
-  }
-#pragma unroll
-  for (int j = 0; j < kLaneChunks; ++j) {
-    r.half_max[j] = LargerHalf(ChunkAbsMaxXorsign(r.raw[j]));
-  }
-  return r;
-}
-
-template <int kLaneChunks, int kRows>
-__global__ void __maxnreg__(kRows == 2 ? 80 : Nvfp4Shape<kLaneChunks>::kRegisters)
-    StageNvfp4RowsKernel(const StagingParams p, int remap_blocks) {
-  ProgrammaticStart();
-  if (static_cast<int>(blockIdx.x) < remap_blocks) {
-    RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
-    return;
-  }
-  const int64_t t = static_cast<int64_t>(blockIdx.x - remap_blocks) * kRows;
-  const int chunks = p.hidden_size / 8;
-  const uint4* x = reinterpret_cast<const uint4*>(p.x);
-  const int warp_tile = static_cast<int>(threadIdx.x / 32) * 32 * kLaneChunks;
-  extern __shared__ uint4 prefetch[];
-  uint4* slots = prefetch + warp_tile;
-  const bool second = t + 1 < p.tokens;
-  if (second) PrefetchNvfp4Tile<kLaneChunks>(slots, x + (t + 1) * chunks, warp_tile, chunks);
-  QuantizeNvfp4Row<kLaneChunks>(p, t,
-                                LoadNvfp4Tile<kLaneChunks>(x + t * chunks, warp_tile, chunks));
-  if (second) {
-    QuantizeNvfp4Row<kLaneChunks>(p, t + 1,
-                                  ReadPrefetchedNvfp4Tile<kLaneChunks>(slots, warp_tile, chunks));
-  }
-}
-
 // One block per token row (the token scale needs the whole row's amax first), one warp per
 // 32 * kLaneChunks chunks of it, at most Nvfp4Shape::kMaxWarps warps (longer rows loop over
 // tiles and read the row twice).
@@ -663,8 +599,6 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   int threads = mx_threads;
   int64_t quant_blocks = 0;
   int nvfp4_lane_chunks = 7;
-  int rows_per_block = 1;
-  size_t dynamic_smem = 0;
   if (nvfp4) {
     // The lane chunks that pad a row's tiles less (7 on a tie).
     const int chunks = p.hidden_size / 8;
@@ -680,12 +614,7 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
         nvfp4_lane_chunks == 7 ? Nvfp4Shape<7>::kMaxWarps : Nvfp4Shape<4>::kMaxWarps;
     const int warps = (chunks + 32 * nvfp4_lane_chunks - 1) / (32 * nvfp4_lane_chunks);
     threads = 32 * std::min(std::max(warps, 1), max_warps);
-    const int64_t slot_bytes = static_cast<int64_t>(threads) * nvfp4_lane_chunks * 16;
-    if (p.nvfp4_rows_per_block == 2 && warps <= 24 && slot_bytes <= 48 * 1024) {
-      rows_per_block = 2;
-      dynamic_smem = static_cast<size_t>(slot_bytes);
-    }
-    if (quantize) quant_blocks = (p.tokens + rows_per_block - 1) / rows_per_block;
+    if (quantize) quant_blocks = p.tokens;
   } else if (quantize) {
     const int64_t per_block = static_cast<int64_t>(mx_threads) * kMxfp8ThreadChunks;
     quant_blocks = (mx_chunks + per_block - 1) / per_block;
@@ -696,7 +625,6 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(quant_blocks + remap_blocks));
   config.blockDim = dim3(static_cast<unsigned>(threads));
-  config.dynamicSmemBytes = dynamic_smem;
   config.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -705,10 +633,7 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   // 1024-thread MXFP8 blocks measured faster without it (a waiting block holds half an SM).
   config.numAttrs = p.programmatic && (nvfp4 || mx_threads != 1024) ? 1 : 0;
   void (*kernel)(StagingParams, int) =
-      nvfp4                ? (rows_per_block == 2
-                                  ? (nvfp4_lane_chunks == 7 ? StageNvfp4RowsKernel<7, 2>
-                                                            : StageNvfp4RowsKernel<4, 2>)
-                                  : (nvfp4_lane_chunks == 7 ? StageNvfp4Kernel<7> : StageNvfp4Kernel<4>))
+      nvfp4                ? (nvfp4_lane_chunks == 7 ? StageNvfp4Kernel<7> : StageNvfp4Kernel<4>)
       : mx_threads == 1024 ? StageMxfp8Kernel<1024>
       : mx_threads == 512  ? StageMxfp8Kernel<512>
                            : StageMxfp8Kernel<256>;

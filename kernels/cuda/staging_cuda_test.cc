@@ -93,7 +93,7 @@ size_t Mismatches(const std::vector<T>& got, const std::vector<T>& want) {
 
 // mx_threads: StagingParams::mxfp8_block_threads; programmatic: StagingParams::programmatic.
 void CheckCase(StagingFormat format, int64_t tokens, int64_t hidden, uint64_t seed,
-               int mx_threads = 0, bool programmatic = true, int nvfp4_rows = 1) {
+               int mx_threads = 0, bool programmatic = true) {
   SCOPED_TRACE(testing::Message() << (format == StagingFormat::kMxfp8 ? "MXFP8" : "NVFP4")
                                   << " T=" << tokens << " H=" << hidden << " seed=" << seed);
   std::mt19937_64 rng(seed);
@@ -167,7 +167,6 @@ void CheckCase(StagingFormat format, int64_t tokens, int64_t hidden, uint64_t se
   p.num_unpadded = static_cast<int32_t>(num_unpadded);
   p.mxfp8_block_threads = mx_threads;
   p.programmatic = programmatic;
-  p.nvfp4_rows_per_block = nvfp4_rows;
   ASSERT_TRUE(EnqueueStaging(p, nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
@@ -206,12 +205,9 @@ TEST(StagingCudaTest, Nvfp4MatchesCpuBitForBit) {
   const uint64_t seed = FreshSeed();
   // The launcher picks 7 chunks of 8 elements per lane for H = 7168 and 4 for the others; at
   // H = 576 and 2880 a block's last warp has a partial tile.
-  for (int rows : {1, 2}) {
-    for (int64_t tokens : {1, 2, 7, 64, 333, 4096}) {
-      for (int64_t hidden : {128, 576, 2880, 7168}) {
-        CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + tokens * 17 + hidden, 0, true,
-                  rows);
-      }
+  for (int64_t tokens : {1, 2, 7, 64, 333, 4096}) {
+    for (int64_t hidden : {128, 576, 2880, 7168}) {
+      CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + tokens * 17 + hidden);
     }
   }
   // Rows longer than one block tile are read twice, tile by tile: 4 lane chunks (H = 61440, tiles

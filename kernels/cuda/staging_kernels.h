@@ -60,8 +60,6 @@ struct StagingParams {
   // Tuning: threads per MXFP8 quantization block, 256, 512 or 1024; 0: the measured best (1024
   // from 2^19 chunks of 8 elements, 256 below).
   int32_t mxfp8_block_threads = 0;
-  // Experiment: NVFP4 rows per block (1, or 2 with the second row prefetched).
-  int32_t nvfp4_rows_per_block = 1;
 };
 
 // Enqueues the fused staging kernel (one launch). REQUIRES: the Params are consistent (see
