@@ -371,18 +371,18 @@ __device__ __forceinline__ uint32_t EncodeE2m1Chunk(const ChunkPairs& c, const E
   return (tally[0] & 0x003B003Bu) | (tally[1] & 0x003B003Bu) << 8 | bits;
 }
 
-// Largest of every thread's `v` (block-wide; every thread gets it). One barrier; call once.
+// Largest of every thread's `v` (block-wide; every thread gets it; NaN counts as 0, as in the
+// CPU's amax loop). One barrier; call once. Non-negative floats order as their bit patterns, so
+// each stage is one integer warp reduction (redux.sync) instead of five shuffles and maxima.
 __device__ __forceinline__ float BlockMax(float v) {
-  __shared__ float partial[kNvfp4MaxWarps];
+  __shared__ uint32_t partial[kNvfp4MaxWarps];
   const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
-  if (lane == 0) partial[threadIdx.x / 32] = v;
+  // fmaxf returns 0 for NaN; v is a magnitude, so never -0.
+  const uint32_t m = __reduce_max_sync(kFull, __float_as_uint(fmaxf(v, 0.f)));
+  if (lane == 0) partial[threadIdx.x / 32] = m;
   __syncthreads();
-  v = partial[lane < static_cast<int>(blockDim.x / 32) ? lane : 0];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
-  return v;
+  return __uint_as_float(
+      __reduce_max_sync(kFull, lane < static_cast<int>(blockDim.x / 32) ? partial[lane] : 0u));
 }
 
 // What a lane holds of one warp tile: chunks tile + 32j + lane, j < kLaneChunks (every load
