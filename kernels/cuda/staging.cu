@@ -43,12 +43,12 @@ constexpr int kMxfp8ThreadChunks = 2;
 // NVFP4: C chunks of 8 elements per lane and row tile (Nvfp4Shape): a warp covers 32 C chunks of
 // a row and a block at most kMaxWarps warps (the most its register cap allows in one block);
 // longer rows loop over tiles (and read the row twice). C = 7 gives H = 7168 blocks of 4 warps
-// and, with the register cap of 72 (no spills), 7 blocks (rows) per SM: 26.4-26.9 us at 4096 x
-// 7168 on the H200, against 28.8-29.2 for C = 4 (7 warps per row, cap 56, 5 rows per SM),
-// 28.0-28.3 for 14 (2 warps per row, 9 rows per SM), 27.4 for 8 and 29.9 for two rows per block
-// with the second prefetched into shared memory (NOTES-cuda.md, "Session of 2026-12-02,
-// fourth"). The launcher takes C = 4 where it pads a row less (H = 2048: 7 would leave 43% of
-// the lanes idle).
+// and, with the register cap of 72 (no spills), 7 blocks (rows) per SM: 26.6-26.9 us at 4096 x
+// 7168 on the H200 (before the redux BlockMax; 26.0 with it), against 28.8-29.2 for C = 4 (7
+// warps per row, cap 56, 5 rows per SM), 28.0-28.3 for 14 (2 warps per row, 9 rows per SM), 27.4
+// for 8 and 29.6-29.9 for two rows per block with the second prefetched into shared memory
+// (NOTES-cuda.md, "Session of 2026-12-02, fourth"). The launcher takes C = 4 where it pads a row
+// less (H = 2048: 12.5 us against 15.3 with 7, which would leave 43% of the lanes idle).
 template <int kLaneChunks>
 struct Nvfp4Shape {
   static constexpr int kRegisters = kLaneChunks == 7 ? 72 : 56;
