@@ -600,20 +600,23 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   int64_t quant_blocks = 0;
   int nvfp4_lane_chunks = 7;
   if (nvfp4) {
-    // The lane chunks that pad a row's tiles less (7 on a tie).
-    const int chunks = p.hidden_size / 8;
-    auto padded = [chunks](int per_warp, int max_warps) {
-      const int warps = (chunks + per_warp - 1) / per_warp;
-      const int tile = std::min(warps, max_warps) * per_warp;
-      return (chunks + tile - 1) / tile * tile;
+    // Warps per block and chunks per row padded to whole tiles, for a lane-chunk count; the count
+    // that pads a row less wins (7 on a tie). At least one warp: a remap-only launch
+    // (x null) may carry hidden_size 0.
+    struct Fit {
+      int warps, padded;
     };
-    nvfp4_lane_chunks =
-        padded(32 * 7, Nvfp4Shape<7>::kMaxWarps) <= padded(32 * 4, Nvfp4Shape<4>::kMaxWarps) ? 7
-                                                                                             : 4;
-    const int max_warps =
-        nvfp4_lane_chunks == 7 ? Nvfp4Shape<7>::kMaxWarps : Nvfp4Shape<4>::kMaxWarps;
-    const int warps = (chunks + 32 * nvfp4_lane_chunks - 1) / (32 * nvfp4_lane_chunks);
-    threads = 32 * std::min(std::max(warps, 1), max_warps);
+    const int chunks = p.hidden_size / 8;
+    auto fit = [chunks](int lane_chunks, int max_warps) {
+      const int per_warp = 32 * lane_chunks;
+      const int warps = std::min(std::max((chunks + per_warp - 1) / per_warp, 1), max_warps);
+      const int tile = warps * per_warp;
+      return Fit{warps, (chunks + tile - 1) / tile * tile};
+    };
+    const Fit seven = fit(7, Nvfp4Shape<7>::kMaxWarps);
+    const Fit four = fit(4, Nvfp4Shape<4>::kMaxWarps);
+    nvfp4_lane_chunks = seven.padded <= four.padded ? 7 : 4;
+    threads = 32 * (nvfp4_lane_chunks == 7 ? seven.warps : four.warps);
     if (quantize) quant_blocks = p.tokens;
   } else if (quantize) {
     const int64_t per_block = static_cast<int64_t>(mx_threads) * kMxfp8ThreadChunks;

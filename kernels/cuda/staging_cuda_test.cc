@@ -91,9 +91,11 @@ size_t Mismatches(const std::vector<T>& got, const std::vector<T>& want) {
   return n;
 }
 
-// mx_threads: StagingParams::mxfp8_block_threads; programmatic: StagingParams::programmatic.
+// mx_threads: StagingParams::mxfp8_block_threads; programmatic: StagingParams::programmatic;
+// remap_only: no quantization input (x null, hidden_size 0): remap and load only, the
+// quantization outputs stay as poisoned.
 void CheckCase(StagingFormat format, int64_t tokens, int64_t hidden, uint64_t seed,
-               int mx_threads = 0, bool programmatic = true) {
+               int mx_threads = 0, bool programmatic = true, bool remap_only = false) {
   SCOPED_TRACE(testing::Message() << (format == StagingFormat::kMxfp8 ? "MXFP8" : "NVFP4")
                                   << " T=" << tokens << " H=" << hidden << " seed=" << seed);
   std::mt19937_64 rng(seed);
@@ -167,13 +169,21 @@ void CheckCase(StagingFormat format, int64_t tokens, int64_t hidden, uint64_t se
   p.num_unpadded = static_cast<int32_t>(num_unpadded);
   p.mxfp8_block_threads = mx_threads;
   p.programmatic = programmatic;
+  if (remap_only) {
+    p.x = nullptr;
+    p.hidden_size = 0;
+  }
   ASSERT_TRUE(EnqueueStaging(p, nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
-  EXPECT_EQ(Mismatches(HostCopy<uint8_t>(dq, q_bytes), q_ref), 0u);
-  EXPECT_EQ(Mismatches(HostCopy<int32_t>(ds, words), scales_ref), 0u);
-  if (!mx) {
-    EXPECT_EQ(Mismatches(HostCopy<float>(dts, tokens), token_scale_ref), 0u);
+  if (remap_only) {
+    EXPECT_EQ(HostCopy<uint8_t>(dq, q_bytes), std::vector<uint8_t>(q_bytes, 0xA5));
+  } else {
+    EXPECT_EQ(Mismatches(HostCopy<uint8_t>(dq, q_bytes), q_ref), 0u);
+    EXPECT_EQ(Mismatches(HostCopy<int32_t>(ds, words), scales_ref), 0u);
+    if (!mx) {
+      EXPECT_EQ(Mismatches(HostCopy<float>(dts, tokens), token_scale_ref), 0u);
+    }
   }
   EXPECT_EQ(Mismatches(HostCopy<int32_t>(dphys, tokens * kTopK), phys_ref), 0u);
   EXPECT_EQ(HostCopy<int64_t>(dload, kSlots), load_ref);
@@ -189,8 +199,9 @@ uint64_t FreshSeed() {
 TEST(StagingCudaTest, Mxfp8MatchesCpuBitForBit) {
   const uint64_t seed = FreshSeed();
   for (int64_t tokens : {1, 2, 7, 64, 333, 4096}) {
-    for (int64_t hidden : {128, 2944, 7168})
+    for (int64_t hidden : {128, 2944, 7168}) {
       CheckCase(StagingFormat::kMxfp8, tokens, hidden, seed + tokens * 31 + hidden);
+    }
   }
   // The other block sizes, and a plain launch.
   for (int threads : {512, 1024}) {
@@ -220,6 +231,12 @@ TEST(StagingCudaTest, Nvfp4MatchesCpuBitForBit) {
 }
 
 TEST(StagingCudaTest, RemapOnlyAndRejectsBadHidden) {
+  // Remap and load recording without a quantization input, hidden_size 0 (the NVFP4 launcher
+  // sizes its blocks from it).
+  const uint64_t seed = FreshSeed();
+  for (StagingFormat format : {StagingFormat::kMxfp8, StagingFormat::kNvfp4}) {
+    for (int64_t tokens : {1, 333}) CheckCase(format, tokens, 128, seed + tokens, 0, true, true);
+  }
   StagingParams p;
   p.format = StagingFormat::kMxfp8;
   uint16_t dummy = 0;
