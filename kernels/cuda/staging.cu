@@ -315,6 +315,31 @@ __device__ __forceinline__ E2m1Thresholds GroupThresholds(float unit) {
   return u;
 }
 
+// GroupThresholds with fp32 FMAs: bound * unit = c + delta times unit with c in kE2m1Mid (exact
+// in fp32) and delta = +-2^-m, so fma(c, unit, delta * unit) rounded down (up) is fl_rd(P)
+// (fl_ru(P)) whenever delta * unit is exact, i.e. does not underflow: the same bits as the double
+// products, at an FMUL per distinct 2^-m and an FFMA per bound instead of a DMUL and an F2F
+// conversion. BuildScaleTable takes it for x_scale in [2^-91, FLT_MAX] (unit >= 2^-100); every
+// such row amax and scale byte, and eight whole binades of units, are checked against the double
+// path by bench/probes/nvfp4_thresholds.cc.
+__device__ constexpr float kE2m1Mid[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.f};
+__device__ constexpr float kE2m1Delta[7] = {0x1p-26f, -0x1p-25f, 0x1p-24f, -0x1p-24f,
+                                            0x1p-23f, -0x1p-23f, 0x1p-22f};
+constexpr float kFmaThresholdsMinScale = 0x1p-91f;
+
+__device__ __forceinline__ E2m1Thresholds GroupThresholdsFma(float unit) {
+  E2m1Thresholds u;
+#pragma unroll
+  for (int k = 0; k < 7; ++k) {
+    const float tail = __fmul_rn(kE2m1Delta[k], unit);
+    const uint32_t f = k % 2 == 0 ? __float_as_uint(__fmaf_rd(kE2m1Mid[k], unit, tail)) + 1
+                                  : __float_as_uint(__fmaf_ru(kE2m1Mid[k], unit, tail));
+    u.v[k] = __byte_perm(f + 0xFFFFu, 0, 0x3232);
+  }
+  u.negative_v0 = u.v[0] | 0x80008000u;
+  return u;
+}
+
 // Re-pairs a chunk's eight BF16 values as (e0, e4), (e1, e5), (e2, e6), (e3, e7), so that the
 // codes of a pair land in nibbles j and j + 4 of the chunk's packed word.
 struct ChunkPairs {
@@ -403,15 +428,18 @@ __device__ __forceinline__ uint32_t MaxAbsXorsignBf16x2(uint32_t a, uint32_t b) 
   return d;
 }
 
-// ChunkAbsMax in three max.xorsign.abs and one mask.
-__device__ __forceinline__ uint32_t ChunkAbsMaxXorsign(const uint4& v) {
-  return AbsBf16x2(
-      MaxAbsXorsignBf16x2(MaxAbsXorsignBf16x2(v.x, v.y), MaxAbsXorsignBf16x2(v.z, v.w)));
+// LargerHalf(ChunkAbsMax(v)) in three max.xorsign.abs, two half extractions and one fmaxf whose
+// fabsf operands ptxas folds into the FMNMX (the halves' signs are XORs, not magnitudes' signs).
+__device__ __forceinline__ float ChunkHalfMax(const uint4& v) {
+  const uint32_t m =
+      MaxAbsXorsignBf16x2(MaxAbsXorsignBf16x2(v.x, v.y), MaxAbsXorsignBf16x2(v.z, v.w));
+  return fmaxf(fabsf(__uint_as_float(m << 16)), fabsf(__uint_as_float(m & 0xFFFF0000u)));
 }
 
 // Load stage of a lane's chunks of the tile starting at chunk `tile` (zeros past the row's end).
-// Called by whole warps.
-template <int kLaneChunks>
+// Called by whole warps. kWhole: every chunk of the warp's tile exists (plain loads from one
+// address, no per-chunk predicates and zero fills).
+template <int kLaneChunks, bool kWhole = false>
 __device__ __forceinline__ Nvfp4Tile<kLaneChunks> LoadNvfp4Tile(const uint4* row, int tile,
                                                                 int chunks) {
   const int lane = threadIdx.x & 31;
@@ -420,12 +448,10 @@ __device__ __forceinline__ Nvfp4Tile<kLaneChunks> LoadNvfp4Tile(const uint4* row
   Nvfp4Tile<kLaneChunks> r;
 #pragma unroll
   for (int j = 0; j < kLaneChunks; ++j) {
-    r.raw[j] = 32 * j < valid ? LoadOnce(p + 32 * j) : make_uint4(0, 0, 0, 0);
+    r.raw[j] = kWhole || 32 * j < valid ? LoadOnce(p + 32 * j) : make_uint4(0, 0, 0, 0);
   }
 #pragma unroll
-  for (int j = 0; j < kLaneChunks; ++j) {
-    r.half_max[j] = LargerHalf(ChunkAbsMaxXorsign(r.raw[j]));
-  }
+  for (int j = 0; j < kLaneChunks; ++j) r.half_max[j] = ChunkHalfMax(r.raw[j]);
   return r;
 }
 
@@ -472,18 +498,26 @@ struct Nvfp4ScaleTable {
   E2m1Thresholds u[128];
 };
 
+__device__ __forceinline__ E2m1Thresholds NanThresholds() {
+  E2m1Thresholds u;
+#pragma unroll
+  for (int k = 0; k < 7; ++k) u.v[k] = 0x7FFF7FFFu;
+  u.negative_v0 = 0xFFFFFFFFu;
+  return u;
+}
+
 __device__ __forceinline__ void BuildScaleTable(Nvfp4ScaleTable& table, float x_scale) {
+  // Uniform over the block. Fast rows: every byte but 0 (unit 0) and 0x7F (NaN) has a unit in
+  // [2^-100, FLT_MAX / 5.1]; those two are overwritten after the store (cheaper than selects).
+  const bool fast = x_scale >= kFmaThresholdsMinScale && x_scale <= FLT_MAX;
   for (int b = threadIdx.x; b < 128; b += blockDim.x) {
     const float unit = __fmul_rn(E4m3Decode(static_cast<uint32_t>(b)), x_scale);
-    E2m1Thresholds u;
-    if (unit > 0.f) {
-      u = GroupThresholds(unit);
+    if (fast) {
+      table.u[b] = GroupThresholdsFma(unit);
+      if (b == 0 || b == 127) table.u[b] = NanThresholds();
     } else {
-#pragma unroll
-      for (int k = 0; k < 7; ++k) u.v[k] = 0x7FFF7FFFu;
-      u.negative_v0 = 0xFFFFFFFFu;
+      table.u[b] = unit > 0.f ? GroupThresholds(unit) : NanThresholds();
     }
-    table.u[b] = u;
   }
   __syncthreads();
 }
@@ -520,17 +554,18 @@ __device__ __forceinline__ void QuantizeNvfp4Tile(const Nvfp4RowOut& out,
   }
 }
 
-template <int kLaneChunks, bool kFast>
+template <int kLaneChunks, bool kFast, bool kOneTile>
 __device__ __forceinline__ void QuantizeNvfp4Tiles(const Nvfp4RowOut& out,
                                                    const Nvfp4Tile<kLaneChunks>& first,
                                                    const uint4* row, int warp_tile, int tile_chunks,
                                                    int chunks, const Nvfp4ScaleTable& table,
                                                    const Nvfp4Divisor& divisor) {
-  if (warp_tile + 32 * kLaneChunks <= chunks) {
+  if (kOneTile || warp_tile + 32 * kLaneChunks <= chunks) {
     QuantizeNvfp4Tile<kLaneChunks, kFast, true>(out, first, warp_tile, chunks, table, divisor);
   } else {
     QuantizeNvfp4Tile<kLaneChunks, kFast, false>(out, first, warp_tile, chunks, table, divisor);
   }
+  if constexpr (kOneTile) return;
   for (int base = tile_chunks; base < chunks; base += tile_chunks) {
     QuantizeNvfp4Tile<kLaneChunks, kFast, false>(
         out, LoadNvfp4Tile<kLaneChunks>(row, base + warp_tile, chunks), base + warp_tile, chunks,
@@ -539,30 +574,33 @@ __device__ __forceinline__ void QuantizeNvfp4Tiles(const Nvfp4RowOut& out,
 }
 
 // Row t, the warp's part of its first tile already in `first`. Called by the whole block.
-template <int kLaneChunks>
+// kOneTile: the row is exactly one tile (every warp's chunks exist, no further tiles).
+template <int kLaneChunks, bool kOneTile>
 __device__ __forceinline__ void QuantizeNvfp4Row(const StagingParams& p, int64_t t,
-                                                 const Nvfp4Tile<kLaneChunks>& first) {
+                                                 const Nvfp4Tile<kLaneChunks>& first,
+                                                 Nvfp4ScaleTable& table) {
   const int chunks = p.hidden_size / 8;
   const uint4* row = reinterpret_cast<const uint4*>(p.x) + t * chunks;
   const int tile_chunks = static_cast<int>(blockDim.x / 32) * 32 * kLaneChunks;
   const int warp_tile = static_cast<int>(threadIdx.x / 32) * 32 * kLaneChunks;
   float amax = TileMax(first);
-  for (int base = tile_chunks; base < chunks; base += tile_chunks) {
-    amax = fmaxf(amax, TileMax(LoadNvfp4Tile<kLaneChunks>(row, base + warp_tile, chunks)));
+  if constexpr (!kOneTile) {
+    for (int base = tile_chunks; base < chunks; base += tile_chunks) {
+      amax = fmaxf(amax, TileMax(LoadNvfp4Tile<kLaneChunks>(row, base + warp_tile, chunks)));
+    }
   }
   const float x_scale = __fdiv_rn(fmaxf(BlockMax(amax), FLT_MIN), 2688.f);
   if (threadIdx.x == 0) p.token_scale[t] = x_scale;
   const Nvfp4Divisor divisor = MakeNvfp4Divisor(__fmul_rn(6.f, x_scale));
-  __shared__ Nvfp4ScaleTable table;
   BuildScaleTable(table, x_scale);
   const Nvfp4RowOut out = {reinterpret_cast<uint32_t*>(p.q + t * (chunks * 4)),
                            reinterpret_cast<uint8_t*>(p.scales + t * (chunks / 8))};
   if (divisor.fast) {
-    QuantizeNvfp4Tiles<kLaneChunks, true>(out, first, row, warp_tile, tile_chunks, chunks, table,
-                                          divisor);
+    QuantizeNvfp4Tiles<kLaneChunks, true, kOneTile>(out, first, row, warp_tile, tile_chunks, chunks,
+                                                    table, divisor);
   } else {
-    QuantizeNvfp4Tiles<kLaneChunks, false>(out, first, row, warp_tile, tile_chunks, chunks, table,
-                                           divisor);
+    QuantizeNvfp4Tiles<kLaneChunks, false, kOneTile>(out, first, row, warp_tile, tile_chunks,
+                                                     chunks, table, divisor);
   }
 }
 
@@ -580,10 +618,18 @@ __global__ void __maxnreg__(Nvfp4Shape<kLaneChunks>::kRegisters)
   const int64_t t = blockIdx.x - remap_blocks;
   const int chunks = p.hidden_size / 8;
   const int warp_tile = static_cast<int>(threadIdx.x / 32) * 32 * kLaneChunks;
-  QuantizeNvfp4Row<kLaneChunks>(
-      p, t,
-      LoadNvfp4Tile<kLaneChunks>(reinterpret_cast<const uint4*>(p.x) + t * chunks, warp_tile,
-                                 chunks));
+  const uint4* row = reinterpret_cast<const uint4*>(p.x) + t * chunks;
+  // Uniform over the block, so both sides' block barriers are each reached by every warp: a row
+  // of exactly one tile (H = 7168 at 7 lane chunks, 2048 at 4) loads without predicates and
+  // skips the loops over further tiles.
+  __shared__ Nvfp4ScaleTable table;
+  if (static_cast<int>(blockDim.x / 32) * 32 * kLaneChunks == chunks) {
+    QuantizeNvfp4Row<kLaneChunks, true>(
+        p, t, LoadNvfp4Tile<kLaneChunks, true>(row, warp_tile, chunks), table);
+  } else {
+    QuantizeNvfp4Row<kLaneChunks, false>(p, t, LoadNvfp4Tile<kLaneChunks>(row, warp_tile, chunks),
+                                         table);
+  }
 }
 
 }  // namespace

@@ -29,7 +29,9 @@ constexpr int kTopK = 6;
 constexpr int kSlots = 80;  // 64 experts, 15 extra replicas, 1 vacant slot
 
 // Rows of N(0, 1) times 2^u (u uniform in [-30, 30]); row kinds by t % 7: 1 all zero, 2 with
-// huge values (BF16 max) mixed in, 3 tiny (subnormal BF16) values, 4 an infinity and a NaN.
+// huge values (BF16 max) mixed in, 3 tiny (subnormal BF16) values, 4 an infinity and a NaN, 5 a
+// scale 2^u with u in [-86, -70] (NVFP4 token scales on both sides of 2^-91, where the kernel's
+// threshold table switches from fp32 FMAs to double products).
 std::vector<uint16_t> RandomHidden(int64_t tokens, int64_t hidden, std::mt19937_64& rng) {
   std::vector<uint16_t> x(tokens * hidden);
   std::normal_distribution<float> normal(0.f, 1.f);
@@ -52,6 +54,11 @@ std::vector<uint16_t> RandomHidden(int64_t tokens, int64_t hidden, std::mt19937_
         row[rng() % hidden] = 0x7F80;  // +inf
         row[rng() % hidden] = 0x7FC1;  // NaN
         break;
+      case 5: {
+        const float tiny = std::ldexp(1.f, -86 + static_cast<int>(rng() % 17));
+        for (int64_t h = 0; h < hidden; ++h) row[h] = FloatToBf16(normal(rng) * tiny);
+        break;
+      }
       default:
         break;
     }
@@ -215,9 +222,10 @@ TEST(StagingCudaTest, Mxfp8MatchesCpuBitForBit) {
 TEST(StagingCudaTest, Nvfp4MatchesCpuBitForBit) {
   const uint64_t seed = FreshSeed();
   // The launcher picks 7 chunks of 8 elements per lane for H = 7168 and 4 for the others; at
-  // H = 576 and 2880 a block's last warp has a partial tile.
+  // H = 576 and 2880 a block's last warp has a partial tile; at 2048, 4096 (4 lane chunks) and
+  // 7168 (7) a row is exactly one tile, the kernel's path without predicates.
   for (int64_t tokens : {1, 2, 7, 64, 333, 4096}) {
-    for (int64_t hidden : {128, 576, 2880, 7168}) {
+    for (int64_t hidden : {128, 576, 2048, 2880, 4096, 7168}) {
       CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + tokens * 17 + hidden);
     }
   }
