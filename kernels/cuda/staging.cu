@@ -565,11 +565,12 @@ __device__ __forceinline__ void QuantizeNvfp4Tiles(const Nvfp4RowOut& out,
   } else {
     QuantizeNvfp4Tile<kLaneChunks, kFast, false>(out, first, warp_tile, chunks, table, divisor);
   }
-  if constexpr (kOneTile) return;
-  for (int base = tile_chunks; base < chunks; base += tile_chunks) {
-    QuantizeNvfp4Tile<kLaneChunks, kFast, false>(
-        out, LoadNvfp4Tile<kLaneChunks>(row, base + warp_tile, chunks), base + warp_tile, chunks,
-        table, divisor);
+  if constexpr (!kOneTile) {
+    for (int base = tile_chunks; base < chunks; base += tile_chunks) {
+      QuantizeNvfp4Tile<kLaneChunks, kFast, false>(
+          out, LoadNvfp4Tile<kLaneChunks>(row, base + warp_tile, chunks), base + warp_tile,
+          chunks, table, divisor);
+    }
   }
 }
 
