@@ -8,7 +8,7 @@
 // their E4M3 bytes differ, for rows with d >= 2^-110 (the kernel's fast rows; the others divide).
 // Expected output: byte mismatches 0. Takes ~1 s at -O2.
 //
-//   g++ -O2 -ffp-contract=off -o /tmp/nvfp4_division bench/probes/nvfp4_division.cc
+//   g++ -O2 -ffp-contract=off -I. -o /tmp/nvfp4_division bench/probes/nvfp4_division.cc
 //   /tmp/nvfp4_division
 #include <cfloat>
 #include <cmath>
@@ -16,19 +16,12 @@
 #include <cstdio>
 #include <cstring>
 
+#include "bench/probes/float_bits.h"
+
 namespace {
 
-float FromBits(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-
-uint32_t Bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return b;
-}
+using probe::Bits;
+using probe::FromBits;
 
 // Saturating round-half-even E4M3 byte of a non-negative float (NaN -> 0x7F), as FloatToE4m3.
 uint32_t E4m3(float x) {
@@ -64,15 +57,16 @@ int main() {
       ++quotient_mismatches;
       if (E4m3(q) != E4m3(exact)) {
         if (byte_mismatches < 10) {
-          std::printf("mismatch: A=%a G=%a d=%a exact=%a fast=%a\n", row_amax, group_amax, d,
-                      exact, q);
+          std::printf("mismatch: A=%a G=%a d=%a exact=%a fast=%a\n", row_amax, group_amax, d, exact,
+                      q);
         }
         ++byte_mismatches;
       }
     }
   }
-  std::printf("pairs %lld, rows dividing exactly %lld, quotient mismatches %lld, "
-              "byte mismatches %lld\n",
-              pairs, slow_rows, quotient_mismatches, byte_mismatches);
+  std::printf(
+      "pairs %lld, rows dividing exactly %lld, quotient mismatches %lld, "
+      "byte mismatches %lld\n",
+      pairs, slow_rows, quotient_mismatches, byte_mismatches);
   return byte_mismatches == 0 ? 0 : 1;
 }

@@ -13,7 +13,7 @@
 // Expected output: mismatches 0 (~85 s). Built with -DPROBE_DROP_DELTA (the +-2^-m terms dropped)
 // it must report mismatches, which shows the comparison can fail.
 //
-//   g++ -O2 -mfma -frounding-math -ffp-contract=off -o /tmp/nvfp4_thresholds \
+//   g++ -O2 -mfma -frounding-math -ffp-contract=off -I. -o /tmp/nvfp4_thresholds \
 //       bench/probes/nvfp4_thresholds.cc && /tmp/nvfp4_thresholds
 #include <cfenv>
 #include <cfloat>
@@ -23,19 +23,12 @@
 #include <cstring>
 #include <initializer_list>
 
+#include "bench/probes/float_bits.h"
+
 namespace {
 
-float FromBits(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-
-uint32_t Bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return b;
-}
+using probe::Bits;
+using probe::FromBits;
 
 // E4m3ToFloat of formats.cc for bytes 0..126.
 float E4m3Value(uint32_t b) {
