@@ -16,7 +16,10 @@
 // block barriers: the amax and a per-row table of thresholds). E2M1 codes come from bf16x2
 // comparisons per element pair against per-group thresholds (the seven rounding boundaries: one
 // masked comparison, then three counted in BF16 arithmetic) instead of a division per element;
-// the group scale quotients from a per-row reciprocal and two FMAs instead of a division.
+// the group scale quotients from a per-row reciprocal and two FMAs instead of a division; the
+// table's thresholds from fp32 FMAs with directed rounding (double products only for extreme
+// token scales). Rows of exactly one block tile (the common widths) run a kernel instance of
+// their own, without load predicates or loops over further tiles.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
