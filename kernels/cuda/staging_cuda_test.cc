@@ -223,7 +223,7 @@ TEST(StagingCudaTest, Nvfp4MatchesCpuBitForBit) {
   const uint64_t seed = FreshSeed();
   // The launcher picks 7 chunks of 8 elements per lane for H = 7168 and 4 for the others; at
   // H = 576 and 2880 a block's last warp has a partial tile; at 2048, 4096 (4 lane chunks) and
-  // 7168 (7) a row is exactly one tile, the kernel's path without predicates.
+  // 7168 (7) a row is exactly one tile, which the launcher sends to the one-tile kernel instance.
   for (int64_t tokens : {1, 2, 7, 64, 333, 4096}) {
     for (int64_t hidden : {128, 576, 2048, 2880, 4096, 7168}) {
       CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + tokens * 17 + hidden);
