@@ -13,9 +13,11 @@
 // 224 chunks of the row per tile with seven coalesced loads per lane; a lane holds half of each of
 // its groups, swaps only the half maxima with its partner lane, and encodes and stores its own
 // chunks. The row stays in registers between the amax and the encode (one read of the row, two
-// block barriers: the amax and a per-row table of thresholds). E2M1 codes come from bf16x2
-// comparisons per element pair against per-group thresholds (the seven rounding boundaries: one
-// masked comparison, then three counted in BF16 arithmetic) instead of a division per element;
+// block barriers: the amax and a per-row table of thresholds). E2M1 codes come from comparisons
+// per element pair against per-group thresholds (the seven rounding boundaries: one masked
+// comparison, then three counted in half-precision arithmetic; rows with an amax below 2^121
+// compare the BF16 bit patterns as FP16, which orders them alike there and lets the comparisons
+// take |x| as an operand) instead of a division per element;
 // the group scale quotients from a per-row reciprocal and two FMAs instead of a division; the
 // table's thresholds from fp32 FMAs with directed rounding (double products only for extreme
 // token scales). Rows of exactly one block tile (the common widths) run a kernel instance of
@@ -79,50 +81,86 @@ __device__ __forceinline__ float Bf16At(const uint4& v, int i) {
 
 __device__ __forceinline__ uint32_t AbsBf16x2(uint32_t w) { return w & 0x7FFF7FFFu; }
 
-// The same through abs.bf16x2, which ptxas turns into an HFMA2 with |x|: the FMA pipe instead of
-// the ALU pipe, which limits the NVFP4 encode.
-__device__ __forceinline__ uint32_t AbsBf16x2Fma(uint32_t w) {
-  uint32_t d;
-  asm("abs.bf16x2 %0, %1;" : "=r"(d) : "r"(w));
-  return d;
-}
-
 __device__ __forceinline__ uint32_t MaxBf16x2(uint32_t a, uint32_t b) {
   uint32_t d;
   asm("max.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
   return d;
 }
 
+// Comparisons and the FMA of the NVFP4 encode, on BF16 bit patterns read either as BF16 or, with
+// kF16, as FP16: both formats are sign and magnitude, so two magnitudes order alike under either
+// reading wherever neither is an FP16 NaN or infinity (BF16 magnitude below 2^121, bit pattern
+// below 0x7C00; BF16 NaN and infinity patterns read as FP16 NaN). FP16 lets ptxas fold |x| into
+// the HSET2 (it does not for BF16), which saves the abs of every element pair.
 // 0xFFFF in each half where a >= b (false for NaN).
-__device__ __forceinline__ uint32_t GeMaskBf16x2(uint32_t a, uint32_t b) {
+template <bool kF16>
+__device__ __forceinline__ uint32_t GeMask(uint32_t a, uint32_t b) {
   uint32_t d;
-  asm("set.ge.u32.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  if constexpr (kF16) {
+    asm("set.ge.u32.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  } else {
+    asm("set.ge.u32.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  }
   return d;
 }
 
 // 0xFFFF in each half where a <= b (false for NaN).
-__device__ __forceinline__ uint32_t LeMaskBf16x2(uint32_t a, uint32_t b) {
+template <bool kF16>
+__device__ __forceinline__ uint32_t LeMask(uint32_t a, uint32_t b) {
   uint32_t d;
-  asm("set.le.u32.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  if constexpr (kF16) {
+    asm("set.le.u32.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  } else {
+    asm("set.le.u32.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  }
   return d;
 }
 
-// 1.0 in each half where a >= b (a <= b), else 0.0; NaN compares false.
-__device__ __forceinline__ uint32_t GeOneBf16x2(uint32_t a, uint32_t b) {
+// 1.0 (in the format read) in each half where a >= b (a <= b), else 0.0; NaN compares false.
+template <bool kF16>
+__device__ __forceinline__ uint32_t GeOne(uint32_t a, uint32_t b) {
   uint32_t d;
-  asm("set.ge.bf16x2.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  if constexpr (kF16) {
+    asm("set.ge.f16x2.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  } else {
+    asm("set.ge.bf16x2.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  }
   return d;
 }
 
-__device__ __forceinline__ uint32_t LeOneBf16x2(uint32_t a, uint32_t b) {
+template <bool kF16>
+__device__ __forceinline__ uint32_t LeOne(uint32_t a, uint32_t b) {
   uint32_t d;
-  asm("set.le.bf16x2.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  if constexpr (kF16) {
+    asm("set.le.f16x2.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  } else {
+    asm("set.le.bf16x2.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  }
   return d;
 }
 
-__device__ __forceinline__ uint32_t FmaBf16x2(uint32_t a, uint32_t b, uint32_t c) {
+template <bool kF16>
+__device__ __forceinline__ uint32_t Fma2(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  if constexpr (kF16) {
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  } else {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  }
+  return d;
+}
+
+// |x| per half: abs.f16x2, which ptxas folds into the comparisons that read it, or abs.bf16x2,
+// which it issues as an HFMA2 with |x| (the FMA pipe rather than the ALU pipe, which limits the
+// NVFP4 encode).
+template <bool kF16>
+__device__ __forceinline__ uint32_t Abs2(uint32_t w) {
+  uint32_t d;
+  if constexpr (kF16) {
+    asm("abs.f16x2 %0, %1;" : "=r"(d) : "r"(w));
+  } else {
+    asm("abs.bf16x2 %0, %1;" : "=r"(d) : "r"(w));
+  }
   return d;
 }
 
@@ -167,6 +205,20 @@ __device__ __forceinline__ uint32_t E4m3x2(float x, float y) {
     return __nv_cvt_float2_to_fp8x2(make_float2(x, y), __NV_SATFINITE, __NV_E4M3);
   } else {
     return E4m3EncodeSoftware(x) | E4m3EncodeSoftware(y) << 8;
+  }
+}
+
+// E4M3 code of x (FloatToE4m3) in the low byte, 0 above. The packing move tells ptxas that the
+// upper half is 0 (the conversion's merge operand), which saves the mask E4m3x2(x, 0.f) needs.
+__device__ __forceinline__ uint32_t E4m3Byte(float x) {
+  if constexpr (kHardwareE4m3) {
+    uint32_t d;
+    asm("{ .reg .b16 h; cvt.rn.satfinite.e4m3x2.f32 h, %2, %1; mov.b32 %0, {h, %3}; }"
+        : "=r"(d)
+        : "f"(x), "f"(0.f), "h"(static_cast<unsigned short>(0)));
+    return d;
+  } else {
+    return E4m3EncodeSoftware(x);
   }
 }
 
@@ -343,60 +395,85 @@ __device__ __forceinline__ E2m1Thresholds GroupThresholdsFma(float unit) {
   return u;
 }
 
-// Re-pairs a chunk's eight BF16 values as (e0, e4), (e1, e5), (e2, e6), (e3, e7), so that the
-// codes of a pair land in nibbles j and j + 4 of the chunk's packed word.
-struct ChunkPairs {
-  uint32_t w[4];
-};
-
-__device__ __forceinline__ ChunkPairs RePair(const uint4& c) {
-  return {{__byte_perm(c.x, c.z, 0x5410), __byte_perm(c.x, c.z, 0x7632),
-           __byte_perm(c.y, c.w, 0x5410), __byte_perm(c.y, c.w, 0x7632)}};
-}
-
 // The E2M1 code of |x| is the number of thresholds v[k] it reaches (kE2m1Bounds, in order). Per
 // element pair: m2 = code >= 4 (one masked comparison), then the three thresholds of m2's half,
-// picked by LOP3 selects, are counted in BF16 arithmetic. A tally starts at 128.0, whose ulp is
-// 1, and adds the 1.0 / 0.0 comparison results times 1 (pair 2h), 8 (pair 2h's sign) or 16 (pair
-// 2h + 1): every partial sum is an integer below 256, so exact, and the low bits of each half
-// then hold the codes. The FMA pipe thus does part of what LOP3 selects did in a pure binary
-// search (three masked comparisons per pair), which was ~1.8% slower on the H200, as was
-// counting all seven thresholds (more instructions and registers).
-constexpr uint32_t kTallyBase = 0x43004300u;     // 128.0 in both halves
-constexpr uint32_t kTallyOne = 0x3F803F80u;      // 1.0
-constexpr uint32_t kTallyEight = 0x41004100u;    // 8.0
-constexpr uint32_t kTallySixteen = 0x41804180u;  // 16.0
+// picked by LOP3 selects, are counted in half-precision arithmetic. A tally starts at a base
+// whose ulp is 1 (128.0 in BF16, 1024.0 in FP16) and adds the 1.0 / 0.0 comparison results times
+// a weight that puts each count at its bits: every partial sum is the base plus an integer below
+// its ulp-1 range (128 in BF16, 1024 in FP16), so exact, and the low bits of each half then hold
+// the counts (the base's low byte is 0 in both formats). The FMA pipe thus does part of what LOP3
+// selects did in a pure binary search (three masked comparisons per pair), which was ~1.8%
+// slower on the H200, as was counting all seven thresholds (more instructions and registers).
+template <bool kF16>
+struct Tally {
+  static constexpr uint32_t kBase = kF16 ? 0x64006400u : 0x43004300u;   // 1024.0 / 128.0
+  static constexpr uint32_t kOne = kF16 ? 0x3C003C00u : 0x3F803F80u;    // 1.0
+  static constexpr uint32_t kEight = kF16 ? 0x48004800u : 0x41004100u;  // 8.0
+  // The second pair's weight: 16.0 (bits 4-5), 256.0 in FP16 (bits 8-9, EncodeE2m1ChunkF16).
+  static constexpr uint32_t kSecond = kF16 ? 0x5C005C00u : 0x41804180u;
+};
 
 // One pair: the tally gains the count of the three thresholds of m2's half (code & 3) times
 // `weight`.
+template <bool kF16>
 __device__ __forceinline__ uint32_t TallyHalf(uint32_t s, uint32_t a, uint32_t m2,
                                               const E2m1Thresholds& u, uint32_t weight) {
 #pragma unroll
   for (int k = 0; k < 3; ++k) {
-    s = FmaBf16x2(GeOneBf16x2(a, Select(m2, u.v[4 + k], u.v[k])), weight, s);
+    s = Fma2<kF16>(GeOne<kF16>(a, Select(m2, u.v[4 + k], u.v[k])), weight, s);
   }
   return s;
 }
 
-// Packed E2M1 codes of one chunk (element j in nibble j); the sign bit only where the code is
-// nonzero (-0 encodes as 0).
-__device__ __forceinline__ uint32_t EncodeE2m1Chunk(const ChunkPairs& c, const E2m1Thresholds& u) {
+// Packed E2M1 codes of one chunk of eight BF16 values (element j in nibble j); the sign bit only
+// where the code is nonzero (-0 encodes as 0). BF16 comparisons, for any row: the chunk is
+// re-paired as (e0, e4), (e1, e5), (e2, e6), (e3, e7) so that the codes of a pair land in nibbles
+// j and j + 4, which the tally's 8 bits per half can hold.
+__device__ __forceinline__ uint32_t EncodeE2m1ChunkBf16(const uint4& raw, const E2m1Thresholds& u) {
+  using T = Tally<false>;
+  const uint32_t w[4] = {__byte_perm(raw.x, raw.z, 0x5410), __byte_perm(raw.x, raw.z, 0x7632),
+                         __byte_perm(raw.y, raw.w, 0x5410), __byte_perm(raw.y, raw.w, 0x7632)};
   uint32_t tally[2], bits = 0;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const uint32_t x0 = c.w[2 * h], x1 = c.w[2 * h + 1];
-    const uint32_t a0 = AbsBf16x2Fma(x0), a1 = AbsBf16x2Fma(x1);
-    const uint32_t m2_0 = GeMaskBf16x2(a0, u.v[3]), m2_1 = GeMaskBf16x2(a1, u.v[3]);
-    uint32_t s = TallyHalf(kTallyBase, a0, m2_0, u, kTallyOne);
-    s = FmaBf16x2(LeOneBf16x2(x0, u.negative_v0), kTallyEight, s);
-    tally[h] = TallyHalf(s, a1, m2_1, u, kTallySixteen);
+    const uint32_t x0 = w[2 * h], x1 = w[2 * h + 1];
+    const uint32_t a0 = Abs2<false>(x0), a1 = Abs2<false>(x1);
+    const uint32_t m2_0 = GeMask<false>(a0, u.v[3]), m2_1 = GeMask<false>(a1, u.v[3]);
+    uint32_t s = TallyHalf<false>(T::kBase, a0, m2_0, u, T::kOne);
+    s = Fma2<false>(LeOne<false>(x0, u.negative_v0), T::kEight, s);
+    tally[h] = TallyHalf<false>(s, a1, m2_1, u, T::kSecond);
     // code >= 4 of both pairs, the odd pair's sign.
     const int at = 8 * h;
     bits |= (m2_0 & (0x00040004u << at)) | (m2_1 & (0x00400040u << at)) |
-            (LeMaskBf16x2(x1, u.negative_v0) & (0x00800080u << at));
+            (LeMask<false>(x1, u.negative_v0) & (0x00800080u << at));
   }
   // Tally bits: pair 2h's code & 3 and sign (bits 0, 1, 3), pair 2h + 1's code & 3 (4, 5).
   return (tally[0] & 0x003B003Bu) | (tally[1] & 0x003B003Bu) << 8 | bits;
+}
+
+// The same with FP16 comparisons (GeMask), exact only for rows whose amax is below 2^121 (then
+// every threshold a group reads is too). The FP16 tally holds 10 bits per half, so the chunk's
+// own pairs serve: word W_h (pairs (e4h, e4h+1) and (e4h+2, e4h+3)) gets the nibble of e4h at
+// bits 0-3, e4h+2 at 8-11, e4h+1 at 16-19 and e4h+3 at 24-27, and three instructions interleave
+// the two words (W_0 + W_0 >> 12 for e0..e3, W_1 * 0x10010 for e4..e7, one PRMT) where the
+// re-pairing took four.
+__device__ __forceinline__ uint32_t EncodeE2m1ChunkF16(const uint4& raw, const E2m1Thresholds& u) {
+  using T = Tally<true>;
+  uint32_t word[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t x0 = h == 0 ? raw.x : raw.z, x1 = h == 0 ? raw.y : raw.w;
+    const uint32_t a0 = Abs2<true>(x0), a1 = Abs2<true>(x1);
+    const uint32_t m2_0 = GeMask<true>(a0, u.v[3]), m2_1 = GeMask<true>(a1, u.v[3]);
+    uint32_t s = TallyHalf<true>(T::kBase, a0, m2_0, u, T::kOne);
+    s = Fma2<true>(LeOne<true>(x0, u.negative_v0), T::kEight, s);
+    s = TallyHalf<true>(s, a1, m2_1, u, T::kSecond);
+    // Tally bits: x0's code & 3 and sign (0, 1, 3), x1's code & 3 (8, 9); code >= 4 of both
+    // pairs (2, 10) and x1's sign (11).
+    word[h] = (s & 0x030B030Bu) | (m2_0 & 0x00040004u) | (m2_1 & 0x04000400u) |
+              (LeMask<true>(x1, u.negative_v0) & 0x08000800u);
+  }
+  return __byte_perm(word[0] + (word[0] >> 12), word[1] * 0x10010u, 0x7610);
 }
 
 // Largest of every thread's `v` (block-wide; every thread gets it; NaN counts as 0, as in the
@@ -416,12 +493,16 @@ __device__ __forceinline__ float BlockMax(float v) {
 // What a lane holds of one warp tile: chunks tile + 32j + lane, j < kLaneChunks (every load
 // instruction of the warp reads 512 contiguous bytes). Chunk c is half c % 2 of group c / 2, so
 // lanes 2p and 2p + 1 hold the two halves of each group and swap only their half maxima (one
-// shuffle per chunk). Each lane then works out the group's scale byte itself (both halves compute
-// the same one) and writes its chunk's four code bytes.
+// shuffle per two chunks: the maxima of chunks 2i and 2i + 1 travel as one bf16x2). Each lane
+// then works out the group's scale byte itself (both halves compute the same one) and writes its
+// chunk's four code bytes.
 template <int kLaneChunks>
 struct Nvfp4Tile {
+  static constexpr int kPairs = (kLaneChunks + 1) / 2;
   uint4 raw[kLaneChunks];
-  float half_max[kLaneChunks];  // NaN only for an all-NaN chunk
+  // Largest magnitude of chunk 2i (low half) and 2i + 1 (high half; chunk 2i again for an odd
+  // last one), as BF16 magnitudes; NaN only for an all-NaN chunk.
+  uint32_t half_max[kPairs];
 };
 
 // max(|a|, |b|) per half, the sign bit the XOR of the signs (NaN operands as in max.bf16x2).
@@ -431,12 +512,18 @@ __device__ __forceinline__ uint32_t MaxAbsXorsignBf16x2(uint32_t a, uint32_t b) 
   return d;
 }
 
-// LargerHalf(ChunkAbsMax(v)) in three max.xorsign.abs, two half extractions and one fmaxf whose
-// fabsf operands ptxas folds into the FMNMX (the halves' signs are XORs, not magnitudes' signs).
-__device__ __forceinline__ float ChunkHalfMax(const uint4& v) {
-  const uint32_t m =
-      MaxAbsXorsignBf16x2(MaxAbsXorsignBf16x2(v.x, v.y), MaxAbsXorsignBf16x2(v.z, v.w));
-  return fmaxf(fabsf(__uint_as_float(m << 16)), fabsf(__uint_as_float(m & 0xFFFF0000u)));
+// Per half: the largest magnitude of a chunk's even (low) and odd (high) elements; the sign bits
+// are XORs, not magnitudes' signs.
+__device__ __forceinline__ uint32_t ChunkHalvesMax(const uint4& v) {
+  return MaxAbsXorsignBf16x2(MaxAbsXorsignBf16x2(v.x, v.y), MaxAbsXorsignBf16x2(v.z, v.w));
+}
+
+// The largest magnitudes of two chunks (a low, b high) from their ChunkHalvesMax: one more
+// max.xorsign.abs over the re-paired halves and a mask of the sign bits, three instructions for
+// two chunks where two fp32 extractions and an fmaxf per chunk took six.
+__device__ __forceinline__ uint32_t PairMax(uint32_t ma, uint32_t mb) {
+  return MaxAbsXorsignBf16x2(__byte_perm(ma, mb, 0x5410), __byte_perm(ma, mb, 0x7632)) &
+         0x7FFF7FFFu;
 }
 
 // Load stage of a lane's chunks of the tile starting at chunk `tile` (zeros past the row's end).
@@ -454,16 +541,20 @@ __device__ __forceinline__ Nvfp4Tile<kLaneChunks> LoadNvfp4Tile(const uint4* row
     r.raw[j] = kWhole || 32 * j < valid ? LoadOnce(p + 32 * j) : make_uint4(0, 0, 0, 0);
   }
 #pragma unroll
-  for (int j = 0; j < kLaneChunks; ++j) r.half_max[j] = ChunkHalfMax(r.raw[j]);
+  for (int i = 0; i < Nvfp4Tile<kLaneChunks>::kPairs; ++i) {
+    const uint32_t ma = ChunkHalvesMax(r.raw[2 * i]);
+    r.half_max[i] = PairMax(ma, 2 * i + 1 < kLaneChunks ? ChunkHalvesMax(r.raw[2 * i + 1]) : ma);
+  }
   return r;
 }
 
+// Largest magnitude of the lane's chunks (NaN only if all are NaN).
 template <int kLaneChunks>
 __device__ __forceinline__ float TileMax(const Nvfp4Tile<kLaneChunks>& r) {
-  float m = r.half_max[0];
+  uint32_t m = r.half_max[0];
 #pragma unroll
-  for (int j = 1; j < kLaneChunks; ++j) m = fmaxf(m, r.half_max[j]);
-  return m;
+  for (int i = 1; i < Nvfp4Tile<kLaneChunks>::kPairs; ++i) m = MaxBf16x2(m, r.half_max[i]);
+  return LargerHalf(m);
 }
 
 // The group scale quotient fl(amax16 / d) without a division per group: with r = fl(1 / d),
@@ -532,8 +623,9 @@ struct Nvfp4RowOut {
 };
 
 // Encode and store stage of a lane's chunks. Called by whole warps. kFast: the row's divisor is
-// fast (DivideGroupMax); kWhole: every chunk of the warp's tile exists (no checks, no divergence
-// around the shuffles).
+// fast (DivideGroupMax) and its amax below 2^121, so whole tiles take EncodeE2m1ChunkF16 (partial
+// ones keep the BF16 encode, which spares the 72-register kernel of several tiles a spill); kWhole:
+// every chunk of the warp's tile exists (no checks, no divergence around the shuffles).
 template <int kLaneChunks, bool kFast, bool kWhole>
 __device__ __forceinline__ void QuantizeNvfp4Tile(const Nvfp4RowOut& out,
                                                   const Nvfp4Tile<kLaneChunks>& r, int tile,
@@ -543,14 +635,21 @@ __device__ __forceinline__ void QuantizeNvfp4Tile(const Nvfp4RowOut& out,
   uint32_t* q = out.q + tile + lane;
   uint8_t* scale = out.scale + (tile + lane) / 2;  // tile is even
   const int valid = chunks - tile - lane;
+  uint32_t group_max2 = 0;
 #pragma unroll
   for (int j = 0; j < kLaneChunks; ++j) {
-    // NaN only where both halves are all NaN: the CPU's amax is then 0.
+    if (j % 2 == 0) {
+      // Both halves' group maxima: max(own, partner, 0), NaN (both halves all NaN) -> 0, which
+      // is the CPU's amax then. max.bf16x2 returns the non-NaN operand, as fmaxf.
+      const uint32_t m = r.half_max[j / 2];
+      group_max2 = MaxBf16x2(MaxBf16x2(m, __shfl_xor_sync(kFull, m, 1)), 0u);
+    }
     const float group_max =
-        fmaxf(fmaxf(r.half_max[j], __shfl_xor_sync(kFull, r.half_max[j], 1)), 0.f);
+        __uint_as_float(j % 2 == 0 ? group_max2 << 16 : group_max2 & 0xFFFF0000u);
     // The code of a non-negative quotient or NaN (0x7F) in the low byte, the rest 0.
-    const uint32_t sf_bits = E4m3x2(DivideGroupMax<kFast>(group_max, divisor), 0.f);
-    const uint32_t code = EncodeE2m1Chunk(RePair(r.raw[j]), table.u[sf_bits]);
+    const uint32_t sf_bits = E4m3Byte(DivideGroupMax<kFast>(group_max, divisor));
+    const uint32_t code = kFast && kWhole ? EncodeE2m1ChunkF16(r.raw[j], table.u[sf_bits])
+                                          : EncodeE2m1ChunkBf16(r.raw[j], table.u[sf_bits]);
     if (!kWhole && 32 * j >= valid) continue;
     __stcs(q + 32 * j, code);
     if ((lane & 1) == 0) scale[16 * j] = static_cast<uint8_t>(sf_bits);
@@ -593,18 +692,21 @@ __device__ __forceinline__ void QuantizeNvfp4Row(const StagingParams& p, int64_t
       amax = fmaxf(amax, TileMax(LoadNvfp4Tile<kLaneChunks>(row, base + warp_tile, chunks)));
     }
   }
-  const float x_scale = __fdiv_rn(fmaxf(BlockMax(amax), FLT_MIN), 2688.f);
+  const float row_amax = BlockMax(amax);
+  const float x_scale = __fdiv_rn(fmaxf(row_amax, FLT_MIN), 2688.f);
   if (threadIdx.x == 0) p.token_scale[t] = x_scale;
   const Nvfp4Divisor divisor = MakeNvfp4Divisor(__fmul_rn(6.f, x_scale));
   BuildScaleTable(table, x_scale);
   const Nvfp4RowOut out = {reinterpret_cast<uint32_t*>(p.q + t * (chunks * 4)),
                            reinterpret_cast<uint8_t*>(p.scales + t * (chunks / 8))};
-  if (divisor.fast) {
-    QuantizeNvfp4Tiles<kLaneChunks, true, kOneTile>(out, first, row, warp_tile, tile_chunks, chunks,
-                                                    table, divisor);
-  } else {
+  // Uniform over the block: the fast path also compares as FP16 (EncodeE2m1ChunkF16), exact below
+  // 2^121 (NaN elements are not in the amax and compare false either way).
+  if (!divisor.fast || !(row_amax < 0x1p121f)) {
     QuantizeNvfp4Tiles<kLaneChunks, false, kOneTile>(out, first, row, warp_tile, tile_chunks,
                                                      chunks, table, divisor);
+  } else {
+    QuantizeNvfp4Tiles<kLaneChunks, true, kOneTile>(out, first, row, warp_tile, tile_chunks, chunks,
+                                                    table, divisor);
   }
 }
 

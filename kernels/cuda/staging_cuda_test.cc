@@ -31,7 +31,9 @@ constexpr int kSlots = 80;  // 64 experts, 15 extra replicas, 1 vacant slot
 // Rows of N(0, 1) times 2^u (u uniform in [-30, 30]); row kinds by t % 7: 1 all zero, 2 with
 // huge values (BF16 max) mixed in, 3 tiny (subnormal BF16) values, 4 an infinity and a NaN, 5 a
 // scale 2^u with u in [-86, -70] (NVFP4 token scales on both sides of 2^-91, where the kernel's
-// threshold table switches from fp32 FMAs to double products).
+// threshold table switches from fp32 FMAs to double products), 6 alternately a row amax just
+// below or at 2^121 (where the NVFP4 encode stops comparing BF16 patterns as FP16) and magnitudes
+// 2^-135..2^-100 (thresholds and elements that read as FP16 subnormals on the fast path).
 std::vector<uint16_t> RandomHidden(int64_t tokens, int64_t hidden, std::mt19937_64& rng) {
   std::vector<uint16_t> x(tokens * hidden);
   std::normal_distribution<float> normal(0.f, 1.f);
@@ -59,6 +61,18 @@ std::vector<uint16_t> RandomHidden(int64_t tokens, int64_t hidden, std::mt19937_
         for (int64_t h = 0; h < hidden; ++h) row[h] = FloatToBf16(normal(rng) * tiny);
         break;
       }
+      case 6:
+        if ((t / 7) % 2 == 0) {
+          const float big = std::ldexp(1.f, 114 + static_cast<int>(rng() % 6));
+          for (int64_t h = 0; h < hidden; ++h) row[h] = FloatToBf16(normal(rng) * big);
+          row[rng() % hidden] = (rng() & 1) ? 0x7BFF : 0xFC00;  // below 2^121, or -2^121
+        } else {
+          std::uniform_int_distribution<int> low(-135, -100);
+          for (int64_t h = 0; h < hidden; ++h) {
+            row[h] = FloatToBf16(std::ldexp(normal(rng), low(rng)));
+          }
+        }
+        break;
       default:
         break;
     }
