@@ -54,9 +54,15 @@ constexpr int kMxfp8ThreadChunks = 2;
 // for 8 and 29.6-29.9 for two rows per block with the second prefetched into shared memory
 // (NOTES-cuda.md, "Session of 2026-12-02, fourth"). The launcher takes C = 4 where it pads a row
 // less (H = 2048: 12.5 us against 15.3 with 7, which would leave 43% of the lanes idle).
+// Rows of exactly one tile (StageNvfp4Kernel<C, true>) fit kOneTileRegisters without spills (no
+// loop over further tiles), which holds 8 rows of H = 7168 per SM instead of 7, and 10 of H = 4096
+// instead of 9: on an H100, 30.95-31.07 us against 31.88-31.91 at 4096 x 7168 (56 registers, 9
+// rows with an 8-byte spill: 30.30-30.46; NOTES-cuda.md, "Session of 2026-12-07, second"). The
+// launcher's kMaxWarps stays that of the larger cap (a bound for both).
 template <int kLaneChunks>
 struct Nvfp4Shape {
   static constexpr int kRegisters = kLaneChunks == 7 ? 72 : 56;
+  static constexpr int kOneTileRegisters = kLaneChunks == 7 ? 64 : 48;
   static constexpr int kMaxWarps = std::min(32, 65536 / (kRegisters * 32));
 };
 constexpr int kNvfp4MaxWarps = 32;  // of any shape (BlockMax's partials)
@@ -718,7 +724,8 @@ __device__ __forceinline__ void QuantizeNvfp4Row(const StagingParams& p, int64_t
 // hot path sat behind ~70 KB of the other's code and, on an H100, stalled ~5x as often waiting
 // for instructions (ncu "no instruction" 2.52 against 0.44 per issued instruction).
 template <int kLaneChunks, bool kOneTile>
-__global__ void __maxnreg__(Nvfp4Shape<kLaneChunks>::kRegisters)
+__global__ void __maxnreg__(kOneTile ? Nvfp4Shape<kLaneChunks>::kOneTileRegisters
+                                     : Nvfp4Shape<kLaneChunks>::kRegisters)
     StageNvfp4Kernel(const StagingParams p, int remap_blocks) {
   ProgrammaticStart();
   if (static_cast<int>(blockIdx.x) < remap_blocks) {
