@@ -22,6 +22,7 @@
 // table's thresholds from fp32 FMAs with directed rounding (double products only for extreme
 // token scales). Rows of exactly one block tile (the common widths) run a kernel instance of
 // their own, without load predicates or loops over further tiles.
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -29,6 +30,8 @@
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "kernels/cuda/staging_kernels.h"
 
@@ -97,77 +100,57 @@ __device__ __forceinline__ uint32_t MaxBf16x2(uint32_t a, uint32_t b) {
 // kF16, as FP16: both formats are sign and magnitude, so two magnitudes order alike under either
 // reading wherever neither is an FP16 NaN or infinity (BF16 magnitude below 2^121, bit pattern
 // below 0x7C00; BF16 NaN and infinity patterns read as FP16 NaN). FP16 lets ptxas fold |x| into
-// the HSET2 (it does not for BF16), which saves the abs of every element pair.
-// 0xFFFF in each half where a >= b (false for NaN).
+// the HSET2 (it does not for BF16), which saves the abs of every element pair. The intrinsics
+// compile to one set / fma / abs instruction each (abs.bf16x2 issues as an HFMA2 with |x|: the
+// FMA pipe rather than the ALU pipe, which limits the NVFP4 encode).
 template <bool kF16>
-__device__ __forceinline__ uint32_t GeMask(uint32_t a, uint32_t b) {
-  uint32_t d;
-  if constexpr (kF16) {
-    asm("set.ge.u32.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  } else {
-    asm("set.ge.u32.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  }
-  return d;
+using Half2 = std::conditional_t<kF16, __half2, __nv_bfloat162>;
+
+template <bool kF16>
+__device__ __forceinline__ Half2<kF16> AsHalf2(uint32_t w) {
+  Half2<kF16> h;
+  memcpy(&h, &w, sizeof(h));
+  return h;
 }
 
-// 0xFFFF in each half where a <= b (false for NaN).
+template <bool kF16>
+__device__ __forceinline__ uint32_t Bits(Half2<kF16> h) {
+  uint32_t w;
+  memcpy(&w, &h, sizeof(w));
+  return w;
+}
+
+// 0xFFFF in each half where a >= b (a <= b); false for NaN.
+template <bool kF16>
+__device__ __forceinline__ uint32_t GeMask(uint32_t a, uint32_t b) {
+  return __hge2_mask(AsHalf2<kF16>(a), AsHalf2<kF16>(b));
+}
+
 template <bool kF16>
 __device__ __forceinline__ uint32_t LeMask(uint32_t a, uint32_t b) {
-  uint32_t d;
-  if constexpr (kF16) {
-    asm("set.le.u32.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  } else {
-    asm("set.le.u32.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  }
-  return d;
+  return __hle2_mask(AsHalf2<kF16>(a), AsHalf2<kF16>(b));
 }
 
 // 1.0 (in the format read) in each half where a >= b (a <= b), else 0.0; NaN compares false.
 template <bool kF16>
 __device__ __forceinline__ uint32_t GeOne(uint32_t a, uint32_t b) {
-  uint32_t d;
-  if constexpr (kF16) {
-    asm("set.ge.f16x2.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  } else {
-    asm("set.ge.bf16x2.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  }
-  return d;
+  return Bits<kF16>(__hge2(AsHalf2<kF16>(a), AsHalf2<kF16>(b)));
 }
 
 template <bool kF16>
 __device__ __forceinline__ uint32_t LeOne(uint32_t a, uint32_t b) {
-  uint32_t d;
-  if constexpr (kF16) {
-    asm("set.le.f16x2.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  } else {
-    asm("set.le.bf16x2.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  }
-  return d;
+  return Bits<kF16>(__hle2(AsHalf2<kF16>(a), AsHalf2<kF16>(b)));
 }
 
 template <bool kF16>
 __device__ __forceinline__ uint32_t Fma2(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  if constexpr (kF16) {
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  } else {
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  }
-  return d;
+  return Bits<kF16>(__hfma2(AsHalf2<kF16>(a), AsHalf2<kF16>(b), AsHalf2<kF16>(c)));
 }
 
-// |x| per half: abs.f16x2, which ptxas folds into the comparisons that read it, or abs.bf16x2,
-// which it issues as an HFMA2 with |x| (the FMA pipe rather than the ALU pipe, which limits the
-// NVFP4 encode).
+// |x| per half (ptxas folds the FP16 one into the comparisons that read it).
 template <bool kF16>
 __device__ __forceinline__ uint32_t Abs2(uint32_t w) {
-  uint32_t d;
-  if constexpr (kF16) {
-    asm("abs.f16x2 %0, %1;" : "=r"(d) : "r"(w));
-  } else {
-    asm("abs.bf16x2 %0, %1;" : "=r"(d) : "r"(w));
-  }
-  return d;
+  return Bits<kF16>(__habs2(AsHalf2<kF16>(w)));
 }
 
 // Bitwise mask ? a : b (one LOP3).
