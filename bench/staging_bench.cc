@@ -9,7 +9,7 @@
 // inside its own graph is less: the graph launch overhead is shared), plus back-to-back per-launch
 // time from a graph of 32 launches. Writes JSON. --formats, --reps and --small narrow a run (for
 // profiling one kernel under ncu); --hidden changes the width from 7168 (the sizes above are at
-// 7168).
+// 7168); --nvfp4_variants=default,r56,shared adds rounds that alternate NVFP4 kernel variants.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -42,6 +42,12 @@ ABSL_FLAG(int64_t, hidden, 7168,
           "hidden size, a multiple of 128 (the target is stated at 7168; below 1832 the four "
           "4096-token input sets fit in the 60 MB L2 together)");
 ABSL_FLAG(bool, sweep, false, "also time MXFP8 blocks of 256, 512 and 1024 threads at 4096 tokens");
+ABSL_FLAG(std::vector<std::string>, nvfp4_variants, {},
+          "also time NVFP4 at 4096 tokens with these kernel variants, alternating in --rounds "
+          "rounds: default; r56, r64, r72 (StagingParams::nvfp4_one_tile_registers); shared "
+          "(StagingParams::nvfp4_shared_rows). Only rows of exactly one tile use them (H = 7168, "
+          "4096, 2048, ...)");
+ABSL_FLAG(int, rounds, 3, "rounds of the --nvfp4_variants comparison");
 
 namespace moe::bench {
 namespace {
@@ -130,6 +136,25 @@ double TimeLaunches(const std::vector<std::unique_ptr<StagingSet>>& sets, int co
   return Summarize(us).median;
 }
 
+// Sets the NVFP4 kernel variant `name` of --nvfp4_variants in *p (when not null); false for an
+// unknown name.
+bool SetNvfp4Variant(const std::string& name, StagingParams* p) {
+  int registers = 0;
+  bool shared = false;
+  if (name == "r56" || name == "r64" || name == "r72") {
+    registers = std::stoi(name.substr(1));
+  } else if (name == "shared") {
+    shared = true;
+  } else if (name != "default") {
+    return false;
+  }
+  if (p != nullptr) {
+    p->nvfp4_one_tile_registers = registers;
+    p->nvfp4_shared_rows = shared;
+  }
+  return true;
+}
+
 // Bytes one launch reads and writes (load atomics not counted: 288 counters).
 double LaunchBytes(StagingFormat format, int64_t tokens) {
   const double elements = static_cast<double>(tokens) * g_hidden;
@@ -207,6 +232,30 @@ int Main() {
         set->params.programmatic = true;
       }
     }
+    nlohmann::json variant_rounds = nlohmann::json::object();
+    if (format == StagingFormat::kNvfp4) {
+      const std::vector<std::string> variants = absl::GetFlag(FLAGS_nvfp4_variants);
+      for (const std::string& v : variants) {
+        if (!SetNvfp4Variant(v, nullptr)) {
+          std::fprintf(stderr, "--nvfp4_variants: %s is not default, r56, r64, r72 or shared\n",
+                       v.c_str());
+          return 2;
+        }
+      }
+      // Rounds alternate the variants so that clock drift (the power cap) spreads over all.
+      for (int round = 0; round < absl::GetFlag(FLAGS_rounds) && !variants.empty(); ++round) {
+        for (const std::string& v : variants) {
+          for (auto& set : big) SetNvfp4Variant(v, &set->params);
+          const double t = TimeLaunches(big, 1, absl::GetFlag(FLAGS_reps), stream);
+          std::printf(
+              "nvfp4 4096 x %lld, variant %s, round %d: %8.2f us, %.1f%% of copy bandwidth\n",
+              static_cast<long long>(g_hidden), v.c_str(), round + 1, t,
+              100 * bytes / (t * 1e-6) / copy_bw);
+          variant_rounds[v].push_back(t);
+        }
+      }
+      for (auto& set : big) SetNvfp4Variant("default", &set->params);
+    }
     const double rate = bytes / (us * 1e-6);
     std::printf(
         "%s 4096 x %lld + remap + load: %8.2f us, %.1f MB, %.3f TB/s = %.1f%% of copy "
@@ -222,6 +271,7 @@ int Main() {
                       {"median_us_per_launch", us},
                       {"median_us_per_launch_no_pdl", plain_us},
                       {"mxfp8_block_threads_sweep_us", block_sweep},
+                      {"nvfp4_variant_rounds_us", variant_rounds},
                       {"bytes", bytes},
                       {"TBps", rate / 1e12},
                       {"fraction_of_copy_bw", rate / copy_bw},

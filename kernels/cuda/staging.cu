@@ -66,6 +66,7 @@ template <int kLaneChunks>
 struct Nvfp4Shape {
   static constexpr int kRegisters = kLaneChunks == 7 ? 72 : 56;
   static constexpr int kOneTileRegisters = kLaneChunks == 7 ? 64 : 48;
+  static constexpr int kSharedRowRegisters = 40;
   static constexpr int kMaxWarps = std::min(32, 65536 / (kRegisters * 32));
 };
 constexpr int kNvfp4MaxWarps = 32;  // of any shape (BlockMax's partials)
@@ -517,17 +518,23 @@ __device__ __forceinline__ uint32_t PairMax(uint32_t ma, uint32_t mb) {
 
 // Load stage of a lane's chunks of the tile starting at chunk `tile` (zeros past the row's end).
 // Called by whole warps. kWhole: every chunk of the warp's tile exists (plain loads from one
-// address, no per-chunk predicates and zero fills).
-template <int kLaneChunks, bool kWhole = false>
+// address, no per-chunk predicates and zero fills). kShared: `row` is the row's copy in shared
+// memory (StageNvfp4SharedKernel; whole tiles only).
+template <int kLaneChunks, bool kWhole = false, bool kShared = false>
 __device__ __forceinline__ Nvfp4Tile<kLaneChunks> LoadNvfp4Tile(const uint4* row, int tile,
                                                                 int chunks) {
+  static_assert(kWhole || !kShared);
   const int lane = threadIdx.x & 31;
   const uint4* p = row + tile + lane;
   const int valid = chunks - tile - lane;  // chunks j with 32 j < valid exist
   Nvfp4Tile<kLaneChunks> r;
 #pragma unroll
   for (int j = 0; j < kLaneChunks; ++j) {
-    r.raw[j] = kWhole || 32 * j < valid ? LoadOnce(p + 32 * j) : make_uint4(0, 0, 0, 0);
+    if constexpr (kShared) {
+      r.raw[j] = p[32 * j];
+    } else {
+      r.raw[j] = kWhole || 32 * j < valid ? LoadOnce(p + 32 * j) : make_uint4(0, 0, 0, 0);
+    }
   }
 #pragma unroll
   for (int i = 0; i < Nvfp4Tile<kLaneChunks>::kPairs; ++i) {
@@ -615,11 +622,14 @@ struct Nvfp4RowOut {
 // fast (DivideGroupMax) and its amax below 2^121, so whole tiles take EncodeE2m1ChunkF16 (partial
 // ones keep the BF16 encode, which spares the 72-register kernel of several tiles a spill); kWhole:
 // every chunk of the warp's tile exists (no checks, no divergence around the shuffles).
-template <int kLaneChunks, bool kFast, bool kWhole>
+// kShared (StageNvfp4SharedKernel): the lane's chunks are read here from its copy of the row in
+// shared memory (chunk j at shared_own[32 j]) instead of from r.raw, which is then unused.
+template <int kLaneChunks, bool kFast, bool kWhole, bool kShared = false>
 __device__ __forceinline__ void QuantizeNvfp4Tile(const Nvfp4RowOut& out,
                                                   const Nvfp4Tile<kLaneChunks>& r, int tile,
                                                   int chunks, const Nvfp4ScaleTable& table,
-                                                  const Nvfp4Divisor& divisor) {
+                                                  const Nvfp4Divisor& divisor,
+                                                  const uint4* shared_own = nullptr) {
   const int lane = threadIdx.x & 31;
   uint32_t* q = out.q + tile + lane;
   uint8_t* scale = out.scale + (tile + lane) / 2;  // tile is even
@@ -633,12 +643,13 @@ __device__ __forceinline__ void QuantizeNvfp4Tile(const Nvfp4RowOut& out,
       const uint32_t m = r.half_max[j / 2];
       group_max2 = MaxBf16x2(MaxBf16x2(m, __shfl_xor_sync(kFull, m, 1)), 0u);
     }
+    const uint4 raw = kShared ? shared_own[32 * j] : r.raw[j];
     const float group_max =
         __uint_as_float(j % 2 == 0 ? group_max2 << 16 : group_max2 & 0xFFFF0000u);
     // The code of a non-negative quotient or NaN (0x7F) in the low byte, the rest 0.
     const uint32_t sf_bits = E4m3Byte(DivideGroupMax<kFast>(group_max, divisor));
-    const uint32_t code = kFast && kWhole ? EncodeE2m1ChunkF16(r.raw[j], table.u[sf_bits])
-                                          : EncodeE2m1ChunkBf16(r.raw[j], table.u[sf_bits]);
+    const uint32_t code = kFast && kWhole ? EncodeE2m1ChunkF16(raw, table.u[sf_bits])
+                                          : EncodeE2m1ChunkBf16(raw, table.u[sf_bits]);
     if (!kWhole && 32 * j >= valid) continue;
     __stcs(q + 32 * j, code);
     if ((lane & 1) == 0) scale[16 * j] = static_cast<uint8_t>(sf_bits);
@@ -665,6 +676,32 @@ __device__ __forceinline__ void QuantizeNvfp4Tiles(const Nvfp4RowOut& out,
   }
 }
 
+// What the encode of row t needs once its amax is known: the token scale (written out), the
+// group-scale divisor, the scale table (built; one barrier) and where the outputs go.
+struct Nvfp4RowScale {
+  Nvfp4Divisor divisor;
+  Nvfp4RowOut out;
+  bool f16;  // the fast path compares as FP16 (EncodeE2m1ChunkF16)
+};
+
+// `amax`: the largest magnitude of the thread's chunks of row t. Called by the whole block (two
+// barriers: BlockMax and BuildScaleTable).
+__device__ __forceinline__ Nvfp4RowScale BeginNvfp4Row(const StagingParams& p, int64_t t,
+                                                       float amax, Nvfp4ScaleTable& table) {
+  const int chunks = p.hidden_size / 8;
+  const float row_amax = BlockMax(amax);
+  const float x_scale = __fdiv_rn(fmaxf(row_amax, FLT_MIN), 2688.f);
+  if (threadIdx.x == 0) p.token_scale[t] = x_scale;
+  const Nvfp4Divisor divisor = MakeNvfp4Divisor(__fmul_rn(6.f, x_scale));
+  BuildScaleTable(table, x_scale);
+  // Uniform over the block: the fast path also compares as FP16, exact below 2^121 (NaN elements
+  // are not in the amax and compare false either way).
+  return {divisor,
+          {reinterpret_cast<uint32_t*>(p.q + t * (chunks * 4)),
+           reinterpret_cast<uint8_t*>(p.scales + t * (chunks / 8))},
+          divisor.fast && row_amax < 0x1p121f};
+}
+
 // Row t, the warp's part of its first tile already in `first`. Called by the whole block.
 // kOneTile: the row is exactly one tile (every warp's chunks exist, no further tiles).
 template <int kLaneChunks, bool kOneTile>
@@ -681,16 +718,10 @@ __device__ __forceinline__ void QuantizeNvfp4Row(const StagingParams& p, int64_t
       amax = fmaxf(amax, TileMax(LoadNvfp4Tile<kLaneChunks>(row, base + warp_tile, chunks)));
     }
   }
-  const float row_amax = BlockMax(amax);
-  const float x_scale = __fdiv_rn(fmaxf(row_amax, FLT_MIN), 2688.f);
-  if (threadIdx.x == 0) p.token_scale[t] = x_scale;
-  const Nvfp4Divisor divisor = MakeNvfp4Divisor(__fmul_rn(6.f, x_scale));
-  BuildScaleTable(table, x_scale);
-  const Nvfp4RowOut out = {reinterpret_cast<uint32_t*>(p.q + t * (chunks * 4)),
-                           reinterpret_cast<uint8_t*>(p.scales + t * (chunks / 8))};
-  // Uniform over the block: the fast path also compares as FP16 (EncodeE2m1ChunkF16), exact below
-  // 2^121 (NaN elements are not in the amax and compare false either way).
-  if (!divisor.fast || !(row_amax < 0x1p121f)) {
+  const Nvfp4RowScale rs = BeginNvfp4Row(p, t, amax, table);
+  const Nvfp4Divisor& divisor = rs.divisor;
+  const Nvfp4RowOut& out = rs.out;
+  if (!rs.f16) {
     QuantizeNvfp4Tiles<kLaneChunks, false, kOneTile>(out, first, row, warp_tile, tile_chunks,
                                                      chunks, table, divisor);
   } else {
@@ -706,10 +737,10 @@ __device__ __forceinline__ void QuantizeNvfp4Row(const StagingParams& p, int64_t
 // no further tiles. Its own kernel rather than a branch in one: with both paths in one kernel the
 // hot path sat behind ~70 KB of the other's code and, on an H100, stalled ~5x as often waiting
 // for instructions (ncu "no instruction" 2.52 against 0.44 per issued instruction).
-template <int kLaneChunks, bool kOneTile>
-__global__ void __maxnreg__(kOneTile ? Nvfp4Shape<kLaneChunks>::kOneTileRegisters
-                                     : Nvfp4Shape<kLaneChunks>::kRegisters)
-    StageNvfp4Kernel(const StagingParams p, int remap_blocks) {
+// kRegisters: the register cap (Nvfp4Shape's unless StagingParams::nvfp4_one_tile_registers says
+// otherwise).
+template <int kLaneChunks, bool kOneTile, int kRegisters>
+__global__ void __maxnreg__(kRegisters) StageNvfp4Kernel(const StagingParams p, int remap_blocks) {
   ProgrammaticStart();
   if (static_cast<int>(blockIdx.x) < remap_blocks) {
     RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
@@ -724,11 +755,79 @@ __global__ void __maxnreg__(kOneTile ? Nvfp4Shape<kLaneChunks>::kOneTileRegister
       p, t, LoadNvfp4Tile<kLaneChunks, kOneTile>(row, warp_tile, chunks), table);
 }
 
+// The one-tile kernel with the row staged through shared memory (StagingParams::
+// nvfp4_shared_rows): each lane copies its own chunks of the row into the block's shared memory
+// (cp.async, L2 only), waits for its own copies (no barrier: it reads back only what it copied),
+// reads them once for the maxima and, after the row's two barriers, again for the encode. No
+// register holds the row while its bytes arrive or across the barriers, so the kernel fits
+// Nvfp4Shape::kSharedRowRegisters and more rows stay resident per SM (bounded by shared memory:
+// 16 bytes per chunk, 14 KiB at H = 7168, plus the 4.1 KiB scale table).
+template <int kLaneChunks>
+__global__ void __maxnreg__(Nvfp4Shape<kLaneChunks>::kSharedRowRegisters)
+    StageNvfp4SharedKernel(const StagingParams p, int remap_blocks) {
+  ProgrammaticStart();
+  if (static_cast<int>(blockIdx.x) < remap_blocks) {
+    RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
+    return;
+  }
+  extern __shared__ uint4 shared_row[];
+  __shared__ Nvfp4ScaleTable table;
+  const int64_t t = blockIdx.x - remap_blocks;
+  const int chunks = p.hidden_size / 8;
+  const int lane = threadIdx.x & 31;
+  const int warp_tile = static_cast<int>(threadIdx.x / 32) * 32 * kLaneChunks;
+  const uint4* row = reinterpret_cast<const uint4*>(p.x) + t * chunks + warp_tile + lane;
+  uint4* own = shared_row + warp_tile + lane;
+#pragma unroll
+  for (int j = 0; j < kLaneChunks; ++j) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
+                     static_cast<uint32_t>(__cvta_generic_to_shared(own + 32 * j))),
+                 "l"(row + 32 * j)
+                 : "memory");
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  // The maxima (the chunks themselves are dropped until after the barriers).
+  const Nvfp4Tile<kLaneChunks> maxima =
+      LoadNvfp4Tile<kLaneChunks, true, true>(shared_row, warp_tile, chunks);
+  const Nvfp4RowScale rs = BeginNvfp4Row(p, t, TileMax(maxima), table);
+  if (!rs.f16) {
+    QuantizeNvfp4Tile<kLaneChunks, false, true, true>(rs.out, maxima, warp_tile, chunks, table,
+                                                      rs.divisor, own);
+  } else {
+    QuantizeNvfp4Tile<kLaneChunks, true, true, true>(rs.out, maxima, warp_tile, chunks, table,
+                                                     rs.divisor, own);
+  }
+}
+
 using StagingKernel = void (*)(StagingParams, int);
 
-StagingKernel Nvfp4Kernel(int lane_chunks, bool one_tile) {
-  if (lane_chunks == 7) return one_tile ? StageNvfp4Kernel<7, true> : StageNvfp4Kernel<7, false>;
-  return one_tile ? StageNvfp4Kernel<4, true> : StageNvfp4Kernel<4, false>;
+// StageNvfp4SharedKernel's rows (H <= 20480) and its static 4.2 KiB fit the 48 KiB of shared memory
+// a block gets without opting in.
+constexpr size_t kMaxSharedRowBytes = 40 * 1024;
+
+template <int kLaneChunks, bool kOneTile>
+constexpr StagingKernel kNvfp4Default =
+    StageNvfp4Kernel<kLaneChunks, kOneTile,
+                     kOneTile ? Nvfp4Shape<kLaneChunks>::kOneTileRegisters
+                              : Nvfp4Shape<kLaneChunks>::kRegisters>;
+
+// one_tile_registers: StagingParams::nvfp4_one_tile_registers (0, 56, 64 or 72); null for another
+// value.
+StagingKernel Nvfp4Kernel(int lane_chunks, bool one_tile, int one_tile_registers) {
+  if (lane_chunks != 7) return one_tile ? kNvfp4Default<4, true> : kNvfp4Default<4, false>;
+  if (!one_tile) return kNvfp4Default<7, false>;
+  switch (one_tile_registers) {
+    case 0:
+      return kNvfp4Default<7, true>;
+    case 56:
+      return StageNvfp4Kernel<7, true, 56>;
+    case 64:
+      return StageNvfp4Kernel<7, true, 64>;
+    case 72:
+      return StageNvfp4Kernel<7, true, 72>;
+    default:
+      return nullptr;
+  }
 }
 
 }  // namespace
@@ -782,10 +881,26 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   config.attrs = attr;
   // 1024-thread MXFP8 blocks measured faster without it (a waiting block holds half an SM).
   config.numAttrs = p.programmatic && (nvfp4 || mx_threads != 1024) ? 1 : 0;
-  StagingKernel kernel = nvfp4                ? Nvfp4Kernel(nvfp4_lane_chunks, nvfp4_one_tile)
-                         : mx_threads == 1024 ? StageMxfp8Kernel<1024>
-                         : mx_threads == 512  ? StageMxfp8Kernel<512>
-                                              : StageMxfp8Kernel<256>;
+  StagingKernel kernel =
+      nvfp4 ? Nvfp4Kernel(nvfp4_lane_chunks, nvfp4_one_tile, p.nvfp4_one_tile_registers)
+      : mx_threads == 1024 ? StageMxfp8Kernel<1024>
+      : mx_threads == 512  ? StageMxfp8Kernel<512>
+                           : StageMxfp8Kernel<256>;
+  if (kernel == nullptr) return cudaErrorInvalidValue;
+  const size_t row_bytes = static_cast<size_t>(p.hidden_size) * 2;
+  if (nvfp4 && quantize && nvfp4_one_tile && p.nvfp4_shared_rows &&
+      row_bytes <= kMaxSharedRowBytes) {
+    kernel = nvfp4_lane_chunks == 7 ? StageNvfp4SharedKernel<7> : StageNvfp4SharedKernel<4>;
+    config.dynamicSmemBytes = row_bytes;
+    // Shared memory as large as the SM allows, so that rows rather than the L1 split bound the
+    // blocks per SM (a preference of the function on the current device; set on every launch of
+    // this tuning path, which graphs replay without the call).
+    if (const cudaError_t e = cudaFuncSetAttribute(
+            kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+        e != cudaSuccess) {
+      return e;
+    }
+  }
   return cudaLaunchKernelEx(&config, kernel, p, remap_blocks);
 }
 

@@ -114,11 +114,15 @@ size_t Mismatches(const std::vector<T>& got, const std::vector<T>& want) {
 
 // mx_threads: StagingParams::mxfp8_block_threads; programmatic: StagingParams::programmatic;
 // remap_only: no quantization input (x null, hidden_size 0): remap and load only, the
-// quantization outputs stay as poisoned.
+// quantization outputs stay as poisoned; one_tile_registers and shared_rows: StagingParams::
+// nvfp4_one_tile_registers and nvfp4_shared_rows.
 void CheckCase(StagingFormat format, int64_t tokens, int64_t hidden, uint64_t seed,
-               int mx_threads = 0, bool programmatic = true, bool remap_only = false) {
+               int mx_threads = 0, bool programmatic = true, bool remap_only = false,
+               int one_tile_registers = 0, bool shared_rows = false) {
   SCOPED_TRACE(testing::Message() << (format == StagingFormat::kMxfp8 ? "MXFP8" : "NVFP4")
-                                  << " T=" << tokens << " H=" << hidden << " seed=" << seed);
+                                  << " T=" << tokens << " H=" << hidden << " seed=" << seed
+                                  << " one_tile_registers=" << one_tile_registers
+                                  << " shared_rows=" << shared_rows);
   std::mt19937_64 rng(seed);
   const bool mx = format == StagingFormat::kMxfp8;
   const int64_t q_bytes = mx ? tokens * hidden : tokens * hidden / 2;
@@ -190,6 +194,8 @@ void CheckCase(StagingFormat format, int64_t tokens, int64_t hidden, uint64_t se
   p.num_unpadded = static_cast<int32_t>(num_unpadded);
   p.mxfp8_block_threads = mx_threads;
   p.programmatic = programmatic;
+  p.nvfp4_one_tile_registers = one_tile_registers;
+  p.nvfp4_shared_rows = shared_rows;
   if (remap_only) {
     p.x = nullptr;
     p.hidden_size = 0;
@@ -250,6 +256,26 @@ TEST(StagingCudaTest, Nvfp4MatchesCpuBitForBit) {
       CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + tokens * 17 + hidden);
     }
   }
+  // Every register cap of the one-tile kernel of 7 lane chunks (H = 1792 has one warp per row,
+  // 3584 two, 7168 four; 56 registers carry an 8-byte spill).
+  for (int registers : {56, 64, 72}) {
+    for (int64_t hidden : {1792, 3584, 7168}) {
+      for (int64_t tokens : {1, 333, 4096}) {
+        CheckCase(StagingFormat::kNvfp4, tokens, hidden,
+                  seed + tokens * 13 + hidden + registers * 101, 0, true, false, registers);
+      }
+    }
+  }
+  // Rows staged through shared memory: one-tile rows of 7 lane chunks (1792, 3584, 7168) and of
+  // 4 (2048, 4096; 20480: 20 warps, the largest row it takes), and rows it leaves to the
+  // register kernels (576, 2880: partial tiles; 61440: several tiles).
+  for (int64_t hidden : {576, 1792, 2048, 2880, 3584, 4096, 7168, 20480, 61440}) {
+    for (int64_t tokens : {1, 333, 4096}) {
+      if (hidden > 8192 && tokens > 333) continue;
+      CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + tokens * 19 + hidden * 3, 0, true,
+                false, 0, true);
+    }
+  }
 }
 
 TEST(StagingCudaTest, RemapOnlyAndRejectsBadHidden) {
@@ -270,6 +296,12 @@ TEST(StagingCudaTest, RemapOnlyAndRejectsBadHidden) {
   EXPECT_EQ(EnqueueStaging(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
   p.mxfp8_block_threads = 384;  // not a supported block size
   EXPECT_EQ(EnqueueStaging(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  p.mxfp8_block_threads = 0;
+  p.nvfp4_one_tile_registers = 48;  // not an instantiated cap (checked before the outputs)
+  const absl::Status bad_cap = EnqueueStaging(p, nullptr);
+  EXPECT_EQ(bad_cap.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad_cap.message().find("nvfp4_one_tile_registers 48"), absl::string_view::npos)
+      << bad_cap;
 }
 
 }  // namespace

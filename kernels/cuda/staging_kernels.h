@@ -60,6 +60,14 @@ struct StagingParams {
   // Tuning: threads per MXFP8 quantization block, 256, 512 or 1024; 0: the measured best (1024
   // from 2^19 chunks of 8 elements, 256 below).
   int32_t mxfp8_block_threads = 0;
+  // Tuning: register cap of the NVFP4 kernel for rows of exactly one tile of 7 lane chunks (H a
+  // multiple of 1792 up to 7168): 0 the default (64), or 56, 64 or 72 (fewer registers hold more
+  // rows per SM; staging.cu, Nvfp4Shape). Other row shapes ignore it.
+  int32_t nvfp4_one_tile_registers = 0;
+  // Tuning: NVFP4 rows of exactly one tile (H = 2048, 4096, multiples of 1792 up to 7168 and
+  // others up to 20480) staged through shared memory (cp.async) instead of registers (staging.cu,
+  // StageNvfp4SharedKernel); other rows ignore it.
+  bool nvfp4_shared_rows = false;
 };
 
 // Enqueues the fused staging kernel (one launch). REQUIRES: the Params are consistent (see

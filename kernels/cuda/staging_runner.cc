@@ -86,6 +86,12 @@ absl::Status EnqueueStaging(const StagingParams& p, cudaStream_t stream) {
                                                    p.mxfp8_block_threads,
                                                    " is not 0, 256, 512 or 1024"));
   }
+  if (p.nvfp4_one_tile_registers != 0 && p.nvfp4_one_tile_registers != 56 &&
+      p.nvfp4_one_tile_registers != 64 && p.nvfp4_one_tile_registers != 72) {
+    return absl::InvalidArgumentError(absl::StrCat("staging: nvfp4_one_tile_registers ",
+                                                   p.nvfp4_one_tile_registers,
+                                                   " is not 0, 56, 64 or 72"));
+  }
   if (absl::Status s = CheckQuantization(p); !s.ok()) return s;
   if (absl::Status s = CheckRemap(p); !s.ok()) return s;
   return CudaStatus(LaunchStaging(p, stream), "staging kernel launch");
