@@ -9,7 +9,8 @@
 #                                   # compute-sanitizer memcheck; NCU="64 4096" profiles the first
 #                                   # two GEMMs at those sizes; POWER="A:512:6000" runs points
 #                                   # sustained with power and clock sampling; RPC="<args>"
-#                                   # runs rpc_bench (when bundled) with those arguments
+#                                   # runs rpc_bench (when bundled) with those arguments;
+#                                   # STAGING="<args>" passes arguments to staging_bench
 #
 # .bundle/ (or $BUNDLE_DIR, so several bundles can sit side by side) is git-ignored; hand it to
 # the device tool as a carried path. BUNDLE_TARGETS picks the binaries (default: all of
@@ -96,7 +97,7 @@ run_bundle() {
     grep -E "$pattern" "$out/$name.log"
   }
   run_logged backend_test 60 "FAILED|PASSED|Failure"
-  run_logged staging_cuda_test 60 "FAILED|PASSED|Failure"
+  run_logged staging_cuda_test 180 "FAILED|PASSED|Failure"
   run_logged device_copy_cuda_test 60 "FAILED|PASSED|Failure"
   run_logged cuda_backend_versions_test 150 "FAILED|PASSED|Failure|during upload"
   run_logged cuda_ipc_test 120 "FAILED|PASSED|Failure|client:"
@@ -121,9 +122,11 @@ run_bundle() {
         tee "$out/rpc_bench_$i.log"
     done
   fi
+  # STAGING="--nvfp4_variants=default,r56,shared --small=false": staging_bench's arguments.
   if has staging_bench; then
-    timeout 60 "$B"/staging_bench --commit="$commit" --out_json="$out/staging_bench.json" \
-      2>&1 | tee "$out/staging_bench.log"
+    # shellcheck disable=SC2086  # the arguments are words on purpose
+    timeout 120 "$B"/staging_bench --commit="$commit" --out_json="$out/staging_bench.json" \
+      ${STAGING:-} 2>&1 | tee "$out/staging_bench.log"
   fi
   if [[ -n "${SANITIZE:-}" ]] && has experts_cuda_test && command -v compute-sanitizer > /dev/null; then
     timeout 100 compute-sanitizer --tool memcheck "$B"/experts_cuda_test \
