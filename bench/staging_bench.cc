@@ -45,8 +45,9 @@ ABSL_FLAG(bool, sweep, false, "also time MXFP8 blocks of 256, 512 and 1024 threa
 ABSL_FLAG(std::vector<std::string>, nvfp4_variants, {},
           "also time NVFP4 at 4096 tokens with these kernel variants, alternating in --rounds "
           "rounds: default; r56, r64, r72 (StagingParams::nvfp4_one_tile_registers); shared "
-          "(StagingParams::nvfp4_shared_rows). Only rows of exactly one tile use them (H = 7168, "
-          "4096, 2048, ...)");
+          "(StagingParams::nvfp4_shared_rows); shared4, shared7, shared14 (the same with "
+          "nvfp4_shared_lane_chunks). Only rows of exactly one tile use them (H = 7168, 4096, "
+          "2048, ...)");
 ABSL_FLAG(int, rounds, 3, "rounds of the --nvfp4_variants comparison");
 
 namespace moe::bench {
@@ -141,16 +142,21 @@ double TimeLaunches(const std::vector<std::unique_ptr<StagingSet>>& sets, int co
 bool SetNvfp4Variant(const std::string& name, StagingParams* p) {
   int registers = 0;
   bool shared = false;
+  int lane_chunks = 0;
   if (name == "r56" || name == "r64" || name == "r72") {
     registers = std::stoi(name.substr(1));
   } else if (name == "shared") {
     shared = true;
+  } else if (name == "shared4" || name == "shared7" || name == "shared14") {
+    shared = true;
+    lane_chunks = std::stoi(name.substr(6));
   } else if (name != "default") {
     return false;
   }
   if (p != nullptr) {
     p->nvfp4_one_tile_registers = registers;
     p->nvfp4_shared_rows = shared;
+    p->nvfp4_shared_lane_chunks = lane_chunks;
   }
   return true;
 }
@@ -237,7 +243,9 @@ int Main() {
       const std::vector<std::string> variants = absl::GetFlag(FLAGS_nvfp4_variants);
       for (const std::string& v : variants) {
         if (!SetNvfp4Variant(v, nullptr)) {
-          std::fprintf(stderr, "--nvfp4_variants: %s is not default, r56, r64, r72 or shared\n",
+          std::fprintf(stderr,
+                       "--nvfp4_variants: %s is not default, r56, r64, r72, shared, shared4, "
+                       "shared7 or shared14\n",
                        v.c_str());
           return 2;
         }

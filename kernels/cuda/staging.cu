@@ -66,10 +66,11 @@ template <int kLaneChunks>
 struct Nvfp4Shape {
   static constexpr int kRegisters = kLaneChunks == 7 ? 72 : 56;
   static constexpr int kOneTileRegisters = kLaneChunks == 7 ? 64 : 48;
-  static constexpr int kSharedRowRegisters = 40;
   static constexpr int kMaxWarps = std::min(32, 65536 / (kRegisters * 32));
 };
 constexpr int kNvfp4MaxWarps = 32;  // of any shape (BlockMax's partials)
+// StageNvfp4SharedKernel (4, 7 or 14 lane chunks) compiles at 40 registers without spills.
+constexpr int kNvfp4SharedRowRegisters = 40;
 // MXFP8 element codes and E4M3 block scales of NVFP4 through the hardware conversion
 // (cvt.rn.satfinite.e4m3x2.f32: round half to even, saturate to +-448 (infinities too),
 // NaN -> 0x7F), which gives the bytes of FloatToE4m3; staging_cuda_test checks it. false: the
@@ -760,10 +761,12 @@ __global__ void __maxnreg__(kRegisters) StageNvfp4Kernel(const StagingParams p, 
 // (cp.async, L2 only), waits for its own copies (no barrier: it reads back only what it copied),
 // reads them once for the maxima and, after the row's two barriers, again for the encode. No
 // register holds the row while its bytes arrive or across the barriers, so the kernel fits
-// Nvfp4Shape::kSharedRowRegisters and more rows stay resident per SM (bounded by shared memory:
-// 16 bytes per chunk, 14 KiB at H = 7168, plus the 4.1 KiB scale table).
+// kNvfp4SharedRowRegisters and more rows stay resident per SM (bounded by shared memory:
+// 16 bytes per chunk, 14 KiB at H = 7168, plus the 4.1 KiB scale table). Lane chunks: the
+// launcher's 7 or 4, or 14 (StagingParams::nvfp4_shared_lane_chunks: a row's fixed work spread
+// over twice the elements per lane, two warps per row at H = 7168).
 template <int kLaneChunks>
-__global__ void __maxnreg__(Nvfp4Shape<kLaneChunks>::kSharedRowRegisters)
+__global__ void __maxnreg__(kNvfp4SharedRowRegisters)
     StageNvfp4SharedKernel(const StagingParams p, int remap_blocks) {
   ProgrammaticStart();
   if (static_cast<int>(blockIdx.x) < remap_blocks) {
@@ -844,6 +847,7 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   int64_t quant_blocks = 0;
   int nvfp4_lane_chunks = 7;
   bool nvfp4_one_tile = false;
+  bool nvfp4_shared = false;  // StageNvfp4SharedKernel
   if (nvfp4) {
     // Warps per block and chunks per row padded to whole tiles, for a lane-chunk count; the count
     // that pads a row less wins (7 on a tie). At least one warp: a remap-only launch
@@ -863,6 +867,17 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
     nvfp4_lane_chunks = seven.padded <= four.padded ? 7 : 4;
     threads = 32 * (nvfp4_lane_chunks == 7 ? seven.warps : four.warps);
     nvfp4_one_tile = threads / 32 * 32 * nvfp4_lane_chunks == chunks;
+    const int forced = p.nvfp4_shared_lane_chunks;
+    if (p.nvfp4_shared_rows && quantize && static_cast<size_t>(chunks) * 16 <= kMaxSharedRowBytes) {
+      if (forced == 0) {
+        nvfp4_shared = nvfp4_one_tile;
+      } else if (chunks % (32 * forced) == 0 && chunks / (32 * forced) <= kNvfp4MaxWarps) {
+        // A forced lane-chunk count that makes the row one tile of whole warps.
+        nvfp4_shared = nvfp4_one_tile = true;
+        nvfp4_lane_chunks = forced;
+        threads = chunks / forced;
+      }
+    }
     if (quantize) quant_blocks = p.tokens;
   } else if (quantize) {
     const int64_t per_block = static_cast<int64_t>(mx_threads) * kMxfp8ThreadChunks;
@@ -882,16 +897,16 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   // 1024-thread MXFP8 blocks measured faster without it (a waiting block holds half an SM).
   config.numAttrs = p.programmatic && (nvfp4 || mx_threads != 1024) ? 1 : 0;
   StagingKernel kernel =
-      nvfp4 ? Nvfp4Kernel(nvfp4_lane_chunks, nvfp4_one_tile, p.nvfp4_one_tile_registers)
+      nvfp4_shared ? (nvfp4_lane_chunks == 14  ? StageNvfp4SharedKernel<14>
+                      : nvfp4_lane_chunks == 7 ? StageNvfp4SharedKernel<7>
+                                               : StageNvfp4SharedKernel<4>)
+      : nvfp4      ? Nvfp4Kernel(nvfp4_lane_chunks, nvfp4_one_tile, p.nvfp4_one_tile_registers)
       : mx_threads == 1024 ? StageMxfp8Kernel<1024>
       : mx_threads == 512  ? StageMxfp8Kernel<512>
                            : StageMxfp8Kernel<256>;
   if (kernel == nullptr) return cudaErrorInvalidValue;
-  const size_t row_bytes = static_cast<size_t>(p.hidden_size) * 2;
-  if (nvfp4 && quantize && nvfp4_one_tile && p.nvfp4_shared_rows &&
-      row_bytes <= kMaxSharedRowBytes) {
-    kernel = nvfp4_lane_chunks == 7 ? StageNvfp4SharedKernel<7> : StageNvfp4SharedKernel<4>;
-    config.dynamicSmemBytes = row_bytes;
+  if (nvfp4_shared) {
+    config.dynamicSmemBytes = static_cast<size_t>(p.hidden_size) * 2;
     // Shared memory as large as the SM allows, so that rows rather than the L1 split bound the
     // blocks per SM (a preference of the function on the current device; set on every launch of
     // this tuning path, which graphs replay without the call).

@@ -6,6 +6,7 @@
 // launch. Needs a GPU (tagged "gpu").
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -114,15 +115,16 @@ size_t Mismatches(const std::vector<T>& got, const std::vector<T>& want) {
 
 // mx_threads: StagingParams::mxfp8_block_threads; programmatic: StagingParams::programmatic;
 // remap_only: no quantization input (x null, hidden_size 0): remap and load only, the
-// quantization outputs stay as poisoned; one_tile_registers and shared_rows: StagingParams::
-// nvfp4_one_tile_registers and nvfp4_shared_rows.
+// quantization outputs stay as poisoned; one_tile_registers: StagingParams::
+// nvfp4_one_tile_registers; shared_lane_chunks: -1 registers (nvfp4_shared_rows off), else
+// nvfp4_shared_rows on with this nvfp4_shared_lane_chunks.
 void CheckCase(StagingFormat format, int64_t tokens, int64_t hidden, uint64_t seed,
                int mx_threads = 0, bool programmatic = true, bool remap_only = false,
-               int one_tile_registers = 0, bool shared_rows = false) {
+               int one_tile_registers = 0, int shared_lane_chunks = -1) {
   SCOPED_TRACE(testing::Message() << (format == StagingFormat::kMxfp8 ? "MXFP8" : "NVFP4")
                                   << " T=" << tokens << " H=" << hidden << " seed=" << seed
                                   << " one_tile_registers=" << one_tile_registers
-                                  << " shared_rows=" << shared_rows);
+                                  << " shared_lane_chunks=" << shared_lane_chunks);
   std::mt19937_64 rng(seed);
   const bool mx = format == StagingFormat::kMxfp8;
   const int64_t q_bytes = mx ? tokens * hidden : tokens * hidden / 2;
@@ -195,7 +197,8 @@ void CheckCase(StagingFormat format, int64_t tokens, int64_t hidden, uint64_t se
   p.mxfp8_block_threads = mx_threads;
   p.programmatic = programmatic;
   p.nvfp4_one_tile_registers = one_tile_registers;
-  p.nvfp4_shared_rows = shared_rows;
+  p.nvfp4_shared_rows = shared_lane_chunks >= 0;
+  p.nvfp4_shared_lane_chunks = std::max(shared_lane_chunks, 0);
   if (remap_only) {
     p.x = nullptr;
     p.hidden_size = 0;
@@ -266,14 +269,27 @@ TEST(StagingCudaTest, Nvfp4MatchesCpuBitForBit) {
       }
     }
   }
-  // Rows staged through shared memory: one-tile rows of 7 lane chunks (1792, 3584, 7168) and of
-  // 4 (2048, 4096; 20480: 20 warps, the largest row it takes), and rows it leaves to the
-  // register kernels (576, 2880: partial tiles; 61440: several tiles).
+  // Rows staged through shared memory at the launcher's lane chunks: one-tile rows of 7 (1792,
+  // 3584, 7168) and of 4 (2048, 4096; 20480: 20 warps, the largest row it takes), and rows it
+  // leaves to the register kernels (576, 2880: partial tiles; 61440: several tiles).
   for (int64_t hidden : {576, 1792, 2048, 2880, 3584, 4096, 7168, 20480, 61440}) {
     for (int64_t tokens : {1, 333, 4096}) {
       if (hidden > 8192 && tokens > 333) continue;
       CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + tokens * 19 + hidden * 3, 0, true,
-                false, 0, true);
+                false, 0, 0);
+    }
+  }
+  // Forced lane chunks: 14 (H = 3584: one warp, 7168: two), 4 (7168: seven warps), 7 (7168), and
+  // counts that do not tile the row, which fall back (14 at 2048 and 4096, 7 at 4096).
+  const struct {
+    int lane_chunks;
+    int64_t hidden;
+  } forced[] = {{14, 3584}, {14, 7168}, {4, 7168}, {7, 7168}, {14, 2048}, {14, 4096}, {7, 4096}};
+  for (const auto& f : forced) {
+    for (int64_t tokens : {1, 333, 4096}) {
+      CheckCase(StagingFormat::kNvfp4, tokens, f.hidden,
+                seed + tokens * 23 + f.hidden * 5 + f.lane_chunks, 0, true, false, 0,
+                f.lane_chunks);
     }
   }
 }
@@ -302,6 +318,12 @@ TEST(StagingCudaTest, RemapOnlyAndRejectsBadHidden) {
   EXPECT_EQ(bad_cap.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(bad_cap.message().find("nvfp4_one_tile_registers 48"), absl::string_view::npos)
       << bad_cap;
+  p.nvfp4_one_tile_registers = 0;
+  p.nvfp4_shared_lane_chunks = 8;  // not a shared-row kernel instance
+  const absl::Status bad_chunks = EnqueueStaging(p, nullptr);
+  EXPECT_EQ(bad_chunks.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad_chunks.message().find("nvfp4_shared_lane_chunks 8"), absl::string_view::npos)
+      << bad_chunks;
 }
 
 }  // namespace

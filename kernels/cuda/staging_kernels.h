@@ -68,6 +68,10 @@ struct StagingParams {
   // others up to 20480) staged through shared memory (cp.async) instead of registers (staging.cu,
   // StageNvfp4SharedKernel); other rows ignore it.
   bool nvfp4_shared_rows = false;
+  // With nvfp4_shared_rows: chunks of 8 elements per lane, 0 (the launcher's choice, 7 or 4), 4, 7
+  // or 14; a forced count applies where it makes a row one tile of at most 32 warps (H = 7168:
+  // 7 warps at 4, 4 at 7, 2 at 14).
+  int32_t nvfp4_shared_lane_chunks = 0;
 };
 
 // Enqueues the fused staging kernel (one launch). REQUIRES: the Params are consistent (see

@@ -92,6 +92,11 @@ absl::Status EnqueueStaging(const StagingParams& p, cudaStream_t stream) {
                                                    p.nvfp4_one_tile_registers,
                                                    " is not 0, 56, 64 or 72"));
   }
+  if (p.nvfp4_shared_lane_chunks != 0 && p.nvfp4_shared_lane_chunks != 4 &&
+      p.nvfp4_shared_lane_chunks != 7 && p.nvfp4_shared_lane_chunks != 14) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "staging: nvfp4_shared_lane_chunks ", p.nvfp4_shared_lane_chunks, " is not 0, 4, 7 or 14"));
+  }
   if (absl::Status s = CheckQuantization(p); !s.ok()) return s;
   if (absl::Status s = CheckRemap(p); !s.ok()) return s;
   return CudaStatus(LaunchStaging(p, stream), "staging kernel launch");
