@@ -26,11 +26,6 @@ NibblePlace PlaceOf(int r, int kc) {
   return {32 * h + 16 * (j / 4) + 8 * (u % 2) + 2 * (j % 4) + kk, u >= 2};
 }
 
-uint8_t SourceCode(const uint8_t* row_bytes, int64_t k) {
-  const uint8_t byte = row_bytes[k / 2];
-  return k % 2 == 0 ? byte & 0x0F : byte >> 4;
-}
-
 // Chunk byte b takes its low nibble from (row, column) and its high nibble from (row, column + 4)
 // of the chunk (PlaceOf puts k-pairs u and u + 2 of one row in one byte); with the chunk's source
 // bytes gathered row by row (4 per row), both nibbles come from gathered bytes lo and hi, at the
