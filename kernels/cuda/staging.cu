@@ -300,16 +300,23 @@ __device__ __forceinline__ void ProgrammaticStart() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+// How every staging kernel starts: the programmatic wait, then the first remap_blocks blocks remap
+// routes (one per thread) and are done. True for the blocks that go on to quantize.
+__device__ __forceinline__ bool QuantizationBlock(const StagingParams& p, int remap_blocks) {
+  ProgrammaticStart();
+  if (static_cast<int>(blockIdx.x) < remap_blocks) {
+    RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
+    return false;
+  }
+  return true;
+}
+
 // Chunks are numbered over the whole [T, H] input (H / 8 per row, a multiple of 16, so every
 // aligned 16-lane span is one scale word of one row and is valid or invalid as a whole).
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads)
     StageMxfp8Kernel(const StagingParams p, int remap_blocks) {
-  ProgrammaticStart();
-  if (static_cast<int>(blockIdx.x) < remap_blocks) {
-    RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
-    return;
-  }
+  if (!QuantizationBlock(p, remap_blocks)) return;
   const int64_t chunks = static_cast<int64_t>(p.tokens) * p.hidden_size / 8;
   const int64_t first =
       static_cast<int64_t>(blockIdx.x - remap_blocks) * kThreads * kMxfp8ThreadChunks + threadIdx.x;
@@ -742,11 +749,7 @@ __device__ __forceinline__ void QuantizeNvfp4Row(const StagingParams& p, int64_t
 // otherwise).
 template <int kLaneChunks, bool kOneTile, int kRegisters>
 __global__ void __maxnreg__(kRegisters) StageNvfp4Kernel(const StagingParams p, int remap_blocks) {
-  ProgrammaticStart();
-  if (static_cast<int>(blockIdx.x) < remap_blocks) {
-    RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
-    return;
-  }
+  if (!QuantizationBlock(p, remap_blocks)) return;
   const int64_t t = blockIdx.x - remap_blocks;
   const int chunks = p.hidden_size / 8;
   const int warp_tile = static_cast<int>(threadIdx.x / 32) * 32 * kLaneChunks;
@@ -768,11 +771,7 @@ __global__ void __maxnreg__(kRegisters) StageNvfp4Kernel(const StagingParams p, 
 template <int kLaneChunks>
 __global__ void __maxnreg__(kNvfp4SharedRowRegisters)
     StageNvfp4SharedKernel(const StagingParams p, int remap_blocks) {
-  ProgrammaticStart();
-  if (static_cast<int>(blockIdx.x) < remap_blocks) {
-    RemapRoute(p, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
-    return;
-  }
+  if (!QuantizationBlock(p, remap_blocks)) return;
   extern __shared__ uint4 shared_row[];
   __shared__ Nvfp4ScaleTable table;
   const int64_t t = blockIdx.x - remap_blocks;
