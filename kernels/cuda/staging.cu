@@ -780,11 +780,15 @@ __global__ void __maxnreg__(kNvfp4SharedRowRegisters)
   const int warp_tile = static_cast<int>(threadIdx.x / 32) * 32 * kLaneChunks;
   const uint4* row = reinterpret_cast<const uint4*>(p.x) + t * chunks + warp_tile + lane;
   uint4* own = shared_row + warp_tile + lane;
+  // Evict-first in L2, as the register kernels' streaming loads (ld.global.cs): the row is read
+  // once.
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
 #pragma unroll
   for (int j = 0; j < kLaneChunks; ++j) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(
                      static_cast<uint32_t>(__cvta_generic_to_shared(own + 32 * j))),
-                 "l"(row + 32 * j)
+                 "l"(row + 32 * j), "l"(policy)
                  : "memory");
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
