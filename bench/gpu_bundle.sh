@@ -122,7 +122,7 @@ run_bundle() {
         tee "$out/rpc_bench_$i.log"
     done
   fi
-  # STAGING="--nvfp4_variants=default,r56,shared --small=false": staging_bench's arguments.
+  # STAGING="--nvfp4_variants=default,registers --small=false": staging_bench's arguments.
   if has staging_bench; then
     # shellcheck disable=SC2086  # the arguments are words on purpose
     timeout 120 "$B"/staging_bench --commit="$commit" --out_json="$out/staging_bench.json" \

@@ -9,7 +9,7 @@
 // inside its own graph is less: the graph launch overhead is shared), plus back-to-back per-launch
 // time from a graph of 32 launches. Writes JSON. --formats, --reps and --small narrow a run (for
 // profiling one kernel under ncu); --hidden changes the width from 7168 (the sizes above are at
-// 7168); --nvfp4_variants=default,r56,shared adds rounds that alternate NVFP4 kernel variants.
+// 7168); --nvfp4_variants=default,registers,r56 adds rounds that alternate NVFP4 kernel variants.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -44,10 +44,10 @@ ABSL_FLAG(int64_t, hidden, 7168,
 ABSL_FLAG(bool, sweep, false, "also time MXFP8 blocks of 256, 512 and 1024 threads at 4096 tokens");
 ABSL_FLAG(std::vector<std::string>, nvfp4_variants, {},
           "also time NVFP4 at 4096 tokens with these kernel variants, alternating in --rounds "
-          "rounds: default; r56, r64, r72 (StagingParams::nvfp4_one_tile_registers); shared "
-          "(StagingParams::nvfp4_shared_rows); shared4, shared7, shared14 (the same with "
-          "nvfp4_shared_lane_chunks). Only rows of exactly one tile use them (H = 7168, 4096, "
-          "2048, ...)");
+          "rounds: default (rows through shared memory); registers (StagingParams::"
+          "nvfp4_shared_rows off); r56, r64, r72 (the same with nvfp4_one_tile_registers); "
+          "shared4, shared7, shared14 (nvfp4_shared_lane_chunks). Only rows of exactly one tile "
+          "use them (H = 7168, 4096, 2048, ...)");
 ABSL_FLAG(int, rounds, 3, "rounds of the --nvfp4_variants comparison");
 
 namespace moe::bench {
@@ -141,14 +141,14 @@ double TimeLaunches(const std::vector<std::unique_ptr<StagingSet>>& sets, int co
 // unknown name.
 bool SetNvfp4Variant(const std::string& name, StagingParams* p) {
   int registers = 0;
-  bool shared = false;
+  bool shared = true;
   int lane_chunks = 0;
-  if (name == "r56" || name == "r64" || name == "r72") {
+  if (name == "registers") {
+    shared = false;
+  } else if (name == "r56" || name == "r64" || name == "r72") {
+    shared = false;
     registers = std::stoi(name.substr(1));
-  } else if (name == "shared") {
-    shared = true;
   } else if (name == "shared4" || name == "shared7" || name == "shared14") {
-    shared = true;
     lane_chunks = std::stoi(name.substr(6));
   } else if (name != "default") {
     return false;
@@ -244,8 +244,8 @@ int Main() {
       for (const std::string& v : variants) {
         if (!SetNvfp4Variant(v, nullptr)) {
           std::fprintf(stderr,
-                       "--nvfp4_variants: %s is not default, r56, r64, r72, shared, shared4, "
-                       "shared7 or shared14\n",
+                       "--nvfp4_variants: %s is not default, registers, r56, r64, r72, "
+                       "shared4, shared7 or shared14\n",
                        v.c_str());
           return 2;
         }

@@ -28,6 +28,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cstdint>
 #include <cstring>
@@ -61,7 +62,10 @@ constexpr int kMxfp8ThreadChunks = 2;
 // loop over further tiles), which holds 8 rows of H = 7168 per SM instead of 7, and 10 of H = 4096
 // instead of 9: on an H100, 30.95-31.07 us against 31.88-31.91 at 4096 x 7168 (56 registers, 9
 // rows with an 8-byte spill: 30.30-30.46; NOTES-cuda.md, "Session of 2026-12-07, second"). The
-// launcher's kMaxWarps stays that of the larger cap (a bound for both).
+// launcher's kMaxWarps stays that of the larger cap (a bound for both). Such rows now go to
+// StageNvfp4SharedKernel by default (StagingParams::nvfp4_shared_rows), which holds more rows per
+// SM still: 29.85-29.87 us on that H100 against 31.00-31.03 for the 64-register kernel
+// and 30.24-30.34 for 56 (NOTES-cuda.md, "Session of 2026-12-07, third").
 template <int kLaneChunks>
 struct Nvfp4Shape {
   static constexpr int kRegisters = kLaneChunks == 7 ? 72 : 56;
@@ -811,6 +815,23 @@ using StagingKernel = void (*)(StagingParams, int);
 // a block gets without opting in.
 constexpr size_t kMaxSharedRowBytes = 40 * 1024;
 
+// Asks for as much shared memory per SM as the SM allows for StageNvfp4SharedKernel<lane_chunks>,
+// so that rows rather than the L1 / shared split bound its blocks per SM (the default split can
+// be smaller than 11 rows of H = 7168 need). The preference belongs to the function on the current
+// device: set once per kernel and device (first 64 devices; beyond, on every launch).
+cudaError_t PreferSharedCarveout(StagingKernel kernel, int lane_chunks) {
+  static std::atomic<uint64_t> done[3];  // bit d: set on device d; per lane-chunk count 4, 7, 14
+  std::atomic<uint64_t>& mask = done[lane_chunks == 4 ? 0 : lane_chunks == 7 ? 1 : 2];
+  int device = 0;
+  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (bit != 0 && (mask.load(std::memory_order_relaxed) & bit) != 0) return cudaSuccess;
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                             cudaSharedmemCarveoutMaxShared);
+  if (e == cudaSuccess) mask.fetch_or(bit, std::memory_order_relaxed);
+  return e;
+}
+
 template <int kLaneChunks, bool kOneTile>
 constexpr StagingKernel kNvfp4Default =
     StageNvfp4Kernel<kLaneChunks, kOneTile,
@@ -910,12 +931,7 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   if (kernel == nullptr) return cudaErrorInvalidValue;
   if (nvfp4_shared) {
     config.dynamicSmemBytes = static_cast<size_t>(p.hidden_size) * 2;
-    // Shared memory as large as the SM allows, so that rows rather than the L1 split bound the
-    // blocks per SM (a preference of the function on the current device; set on every launch of
-    // this tuning path, which graphs replay without the call).
-    if (const cudaError_t e = cudaFuncSetAttribute(
-            kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-        e != cudaSuccess) {
+    if (const cudaError_t e = PreferSharedCarveout(kernel, nvfp4_lane_chunks); e != cudaSuccess) {
       return e;
     }
   }

@@ -115,12 +115,12 @@ size_t Mismatches(const std::vector<T>& got, const std::vector<T>& want) {
 
 // mx_threads: StagingParams::mxfp8_block_threads; programmatic: StagingParams::programmatic;
 // remap_only: no quantization input (x null, hidden_size 0): remap and load only, the
-// quantization outputs stay as poisoned; one_tile_registers: StagingParams::
-// nvfp4_one_tile_registers; shared_lane_chunks: -1 registers (nvfp4_shared_rows off), else
-// nvfp4_shared_rows on with this nvfp4_shared_lane_chunks.
+// quantization outputs stay as poisoned; shared_lane_chunks: -1 the register kernels
+// (nvfp4_shared_rows off), else nvfp4_shared_rows (the default) with this
+// nvfp4_shared_lane_chunks; one_tile_registers: StagingParams::nvfp4_one_tile_registers.
 void CheckCase(StagingFormat format, int64_t tokens, int64_t hidden, uint64_t seed,
                int mx_threads = 0, bool programmatic = true, bool remap_only = false,
-               int one_tile_registers = 0, int shared_lane_chunks = -1) {
+               int shared_lane_chunks = 0, int one_tile_registers = 0) {
   SCOPED_TRACE(testing::Message() << (format == StagingFormat::kMxfp8 ? "MXFP8" : "NVFP4")
                                   << " T=" << tokens << " H=" << hidden << " seed=" << seed
                                   << " one_tile_registers=" << one_tile_registers
@@ -246,7 +246,8 @@ TEST(StagingCudaTest, Nvfp4MatchesCpuBitForBit) {
   const uint64_t seed = FreshSeed();
   // The launcher picks 7 chunks of 8 elements per lane for H = 7168 and 4 for the others; at
   // H = 576 and 2880 a block's last warp has a partial tile; at 2048, 4096 (4 lane chunks) and
-  // 7168 (7) a row is exactly one tile, which the launcher sends to the one-tile kernel instance.
+  // 7168 (7) a row is exactly one tile, which the launcher stages through shared memory
+  // (StageNvfp4SharedKernel).
   for (int64_t tokens : {1, 2, 7, 64, 333, 4096}) {
     for (int64_t hidden : {128, 576, 2048, 2880, 4096, 7168}) {
       CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + tokens * 17 + hidden);
@@ -259,24 +260,29 @@ TEST(StagingCudaTest, Nvfp4MatchesCpuBitForBit) {
       CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + tokens * 17 + hidden);
     }
   }
-  // Every register cap of the one-tile kernel of 7 lane chunks (H = 1792 has one warp per row,
-  // 3584 two, 7168 four; 56 registers carry an 8-byte spill).
+  // The register kernels for one-tile rows (nvfp4_shared_rows off): 4 lane chunks (2048, 4096)
+  // at their cap, and every cap of the 7-lane-chunk kernel (H = 1792 has one warp per row, 3584
+  // two, 7168 four; 56 registers carry an 8-byte spill).
+  for (int64_t hidden : {2048, 4096}) {
+    for (int64_t tokens : {1, 333, 4096}) {
+      CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + tokens * 11 + hidden, 0, true, false,
+                -1);
+    }
+  }
   for (int registers : {56, 64, 72}) {
     for (int64_t hidden : {1792, 3584, 7168}) {
       for (int64_t tokens : {1, 333, 4096}) {
         CheckCase(StagingFormat::kNvfp4, tokens, hidden,
-                  seed + tokens * 13 + hidden + registers * 101, 0, true, false, registers);
+                  seed + tokens * 13 + hidden + registers * 101, 0, true, false, -1, registers);
       }
     }
   }
-  // Rows staged through shared memory at the launcher's lane chunks: one-tile rows of 7 (1792,
-  // 3584, 7168) and of 4 (2048, 4096; 20480: 20 warps, the largest row it takes), and rows it
-  // leaves to the register kernels (576, 2880: partial tiles; 61440: several tiles).
-  for (int64_t hidden : {576, 1792, 2048, 2880, 3584, 4096, 7168, 20480, 61440}) {
+  // Rows staged through shared memory (the default): one-tile rows of 7 lane chunks (1792, 3584)
+  // and of 4 (20480: 20 warps, the largest row it takes), beside the loop above's sizes.
+  for (int64_t hidden : {1792, 3584, 20480}) {
     for (int64_t tokens : {1, 333, 4096}) {
       if (hidden > 8192 && tokens > 333) continue;
-      CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + tokens * 19 + hidden * 3, 0, true,
-                false, 0, 0);
+      CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + tokens * 19 + hidden * 3);
     }
   }
   // Forced lane chunks: 14 (H = 3584: one warp, 7168: two), 4 (7168: seven warps), 7 (7168), and
@@ -288,8 +294,7 @@ TEST(StagingCudaTest, Nvfp4MatchesCpuBitForBit) {
   for (const auto& f : forced) {
     for (int64_t tokens : {1, 333, 4096}) {
       CheckCase(StagingFormat::kNvfp4, tokens, f.hidden,
-                seed + tokens * 23 + f.hidden * 5 + f.lane_chunks, 0, true, false, 0,
-                f.lane_chunks);
+                seed + tokens * 23 + f.hidden * 5 + f.lane_chunks, 0, true, false, f.lane_chunks);
     }
   }
 }
