@@ -115,9 +115,23 @@ void WithRoutes(int64_t n, Fn&& fn) {
 
 // ---- Weight streaming (few tokens) --------------------------------------------------------------
 
+// Independent int32 partial sums per route and half in the streaming loop: the k-pairs of a chunk
+// go round-robin into StreamParts(T * kH) chains so that at least 4 multiply-adds are in flight
+// (one chain of vpdpwssd, 5 cycles each, held 1 token to a quarter of the issue rate). Integer
+// sums, so the split changes no bit of the result.
+constexpr int StreamParts(int chains) { return chains >= 4 ? 1 : (chains >= 2 ? 2 : 4); }
+
+// How far ahead of the chunk being decoded the decode loops (streaming and panel) ask for weights:
+// 64 chunks, 4 KiB. On a Sapphire Rapids guest the hardware prefetchers alone left one token at
+// ~1.8x the read floor; 32 to 256 chunks ahead all brought it to ~1.0x (NOTES-cpu.md,
+// 2026-12-07). Past a group's end the lines are the next group's of the same matrix (contiguous);
+// past a matrix's end the hint is dropped or fetches a line nobody reads.
+constexpr int64_t kWeightPrefetchChunks = 64;
+
 // acc[t] = sum over blocks of group g for T routes; each chunk decoded once for all T.
 template <int T>
 void StreamGroup(const Fp4MatrixRef& m, int64_t g, const Inputs<T>& in, VF (&acc)[T][kH]) {
+  constexpr int kParts = StreamParts(T * kH);
   const Decoder decode;
   const int64_t chunks = m.cols / kChunkCols;
   const int chunks_per_block = m.block / kChunkCols;
@@ -127,25 +141,36 @@ void StreamGroup(const Fp4MatrixRef& m, int64_t g, const Inputs<T>& in, VF (&acc
     for (int h = 0; h < kH; ++h) acc[t][h] = Simd::ZeroF();
   }
   for (int64_t b = 0, c = 0; c < chunks; ++b) {
-    VI sum[T][kH];
-    for (int t = 0; t < T; ++t) {
-      for (int h = 0; h < kH; ++h) sum[t][h] = Simd::ZeroI();
+    VI sum[kParts][T][kH];
+    for (int q = 0; q < kParts; ++q) {
+      for (int t = 0; t < T; ++t) {
+        for (int h = 0; h < kH; ++h) sum[q][t][h] = Simd::ZeroI();
+      }
     }
     for (int i = 0; i < chunks_per_block; ++i, ++c) {
       VI units[4 * kH];
+      Simd::Prefetch(codes + (c + kWeightPrefetchChunks) * kChunkBytes);
       decode.Chunk(codes + c * kChunkBytes, units);
       for (int u = 0; u < 4; ++u) {
+        VI(&part)[T][kH] = sum[u % kParts];
         for (int t = 0; t < T; ++t) {
           const VI pair = Simd::BroadcastPair(in.x[t] + c * kChunkCols + 2 * u);
-          for (int h = 0; h < kH; ++h) sum[t][h] = Simd::DotAcc(sum[t][h], pair, units[u * kH + h]);
+          for (int h = 0; h < kH; ++h) {
+            part[t][h] = Simd::DotAcc(part[t][h], pair, units[u * kH + h]);
+          }
         }
+      }
+    }
+    for (int q = 1; q < kParts; ++q) {
+      for (int t = 0; t < T; ++t) {
+        for (int h = 0; h < kH; ++h) sum[0][t][h] = Simd::AddI32(sum[0][t][h], sum[q][t][h]);
       }
     }
     VF weight_scale[kH];
     BlockScales(m, scales + b * kGroupRows, weight_scale);
     for (int t = 0; t < T; ++t) {
       for (int h = 0; h < kH; ++h) {
-        acc[t][h] = ScaleBlock(sum[t][h], weight_scale[h], in.scale[t][b], acc[t][h]);
+        acc[t][h] = ScaleBlock(sum[0][t][h], weight_scale[h], in.scale[t][b], acc[t][h]);
       }
     }
   }
@@ -193,6 +218,7 @@ inline void DecodePanel16(const Fp4MatrixRef& m, int64_t g, int64_t c0, int64_t 
   const uint8_t* codes = m.codes + (g * (m.cols / kChunkCols) + c0) * kChunkBytes;
   for (int64_t i = 0; i < n; ++i) {
     VI units[4 * kH];
+    Simd::Prefetch(codes + (i + kWeightPrefetchChunks) * kChunkBytes);
     decode.Chunk(codes + i * kChunkBytes, units);
     for (int u = 0; u < 4; ++u) {
       for (int h = 0; h < kH; ++h) {
@@ -208,6 +234,7 @@ inline void DecodePanel8(const Fp4MatrixRef& m, int64_t g, int64_t c0, int64_t n
   const VI low = Simd::LowNibbleMask();
   const uint8_t* codes = m.codes + (g * (m.cols / kChunkCols) + c0) * kChunkBytes;
   for (int64_t i = 0; i < n; ++i) {
+    Simd::Prefetch(codes + (i + kWeightPrefetchChunks) * kChunkBytes);
     for (int h = 0; h < kH; ++h) {
       const VI v = Simd::LoadI(codes + i * kChunkBytes + h * Simd::kVecBytes);
       const VI lo = Simd::Lookup(table, Simd::And(v, low));

@@ -23,6 +23,8 @@ struct Simd {
   using VI = __m256i;
   using VF = __m256;
 
+  // A hint only: an address past the end of a buffer is allowed and never faults.
+  static void Prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static VI LoadI(const void* p) { return _mm256_load_si256(static_cast<const __m256i*>(p)); }
   static void StoreI(void* p, VI v) { _mm256_store_si256(static_cast<__m256i*>(p), v); }
   static VI ZeroI() { return _mm256_setzero_si256(); }
@@ -59,6 +61,7 @@ struct Simd {
   // The 4 int8 activations at p in every int32 lane.
   static VI BroadcastQuad(const int8_t* p) { return _mm256_broadcastd_epi32(_mm_loadu_si32(p)); }
   static VI Set1I32(int32_t v) { return _mm256_set1_epi32(v); }
+  static VI AddI32(VI a, VI b) { return _mm256_add_epi32(a, b); }
   static VI SubI32(VI a, VI b) { return _mm256_sub_epi32(a, b); }
   // No fused byte dot product: the kernels sum up to 4 vpmaddubsw results in int16 (each lane
   // at most 2 * 24 * 127 = 6096) and widen once, which halves the multiplier-port work.

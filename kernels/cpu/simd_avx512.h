@@ -22,6 +22,8 @@ struct Simd {
   using VI = __m512i;
   using VF = __m512;
 
+  // A hint only: an address past the end of a buffer is allowed and never faults.
+  static void Prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static VI LoadI(const void* p) { return _mm512_load_si512(p); }
   static void StoreI(void* p, VI v) { _mm512_store_si512(p, v); }
   static VI ZeroI() { return _mm512_setzero_si512(); }
@@ -52,6 +54,7 @@ struct Simd {
   }
   static VI BroadcastQuad(const int8_t* p) { return _mm512_broadcastd_epi32(_mm_loadu_si32(p)); }
   static VI Set1I32(int32_t v) { return _mm512_set1_epi32(v); }
+  static VI AddI32(VI a, VI b) { return _mm512_add_epi32(a, b); }
   static VI SubI32(VI a, VI b) { return _mm512_sub_epi32(a, b); }
   // acc + per int32 lane the dot product of 4 unsigned bytes of w with 4 signed bytes of x.
 #if defined(__AVX512VNNI__)
