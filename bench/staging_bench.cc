@@ -42,12 +42,14 @@ ABSL_FLAG(int64_t, hidden, 7168,
           "hidden size, a multiple of 128 (the target is stated at 7168; below 1832 the four "
           "4096-token input sets fit in the 60 MB L2 together)");
 ABSL_FLAG(bool, sweep, false, "also time MXFP8 blocks of 256, 512 and 1024 threads at 4096 tokens");
-ABSL_FLAG(std::vector<std::string>, nvfp4_variants, {},
-          "also time NVFP4 at 4096 tokens with these kernel variants, alternating in --rounds "
-          "rounds: default (rows through shared memory); registers (StagingParams::"
-          "nvfp4_shared_rows off); r56, r64, r72 (the same with nvfp4_one_tile_registers); "
-          "shared4, shared7, shared14 (nvfp4_shared_lane_chunks). Only rows of exactly one tile "
-          "use them (H = 7168, 4096, 2048, ...)");
+ABSL_FLAG(
+    std::vector<std::string>, nvfp4_variants, {},
+    "also time NVFP4 at 4096 tokens with these kernel variants, alternating in --rounds "
+    "rounds: default (rows through shared memory); registers (StagingParams::"
+    "nvfp4_shared_rows off); r56, r64, r72 (the same with nvfp4_one_tile_registers); "
+    "shared4, shared7, shared14 (nvfp4_shared_lane_chunks); pipeline (shared rows, "
+    "nvfp4_shared_pipeline: one wave of blocks looping over rows). Only rows of exactly one tile "
+    "use them (H = 7168, 4096, 2048, ...)");
 ABSL_FLAG(int, rounds, 3, "rounds of the --nvfp4_variants comparison");
 
 namespace moe::bench {
@@ -143,7 +145,10 @@ bool SetNvfp4Variant(const std::string& name, StagingParams* p) {
   int registers = 0;
   bool shared = true;
   int lane_chunks = 0;
-  if (name == "registers") {
+  bool pipeline = false;
+  if (name == "pipeline") {
+    pipeline = true;
+  } else if (name == "registers") {
     shared = false;
   } else if (name == "r56" || name == "r64" || name == "r72") {
     shared = false;
@@ -157,6 +162,7 @@ bool SetNvfp4Variant(const std::string& name, StagingParams* p) {
     p->nvfp4_one_tile_registers = registers;
     p->nvfp4_shared_rows = shared;
     p->nvfp4_shared_lane_chunks = lane_chunks;
+    p->nvfp4_shared_pipeline = pipeline;
   }
   return true;
 }
@@ -245,7 +251,7 @@ int Main() {
         if (!SetNvfp4Variant(v, nullptr)) {
           std::fprintf(stderr,
                        "--nvfp4_variants: %s is not default, registers, r56, r64, r72, "
-                       "shared4, shared7 or shared14\n",
+                       "shared4, shared7, shared14 or pipeline\n",
                        v.c_str());
           return 2;
         }

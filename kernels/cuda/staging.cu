@@ -809,6 +809,65 @@ __global__ void __maxnreg__(kNvfp4SharedRowRegisters)
   }
 }
 
+// The shared-row kernel as one wave of blocks that loop over rows (blockIdx - remap_blocks, then
+// every quantization block count further), each row's copy in one of two shared buffers: a lane
+// starts copying its chunks of the block's next row, then waits only for its copies of the
+// current one (cp.async groups), so the loads of the next row proceed while the block finds the
+// current row's maxima, passes its two barriers and encodes it. Each lane reads back only the
+// chunks it copied, so a buffer is rewritten (two rows later) only by the lane that last read it.
+// The row scale table is rewritten for a row only after BlockMax's barrier, which every warp
+// reaches after encoding the previous row. Hypothesis under test: the single-row kernel's blocks
+// load together and then only compute (3.00 waves at 4096 x 7168 on an H100).
+template <int kLaneChunks>
+__global__ void __maxnreg__(kNvfp4SharedRowRegisters)
+    StageNvfp4SharedPipelineKernel(const StagingParams p, int remap_blocks) {
+  if (!QuantizationBlock(p, remap_blocks)) return;
+  extern __shared__ uint4 shared_rows[];  // two rows
+  __shared__ Nvfp4ScaleTable table;
+  const int chunks = p.hidden_size / 8;
+  const int lane = threadIdx.x & 31;
+  const int warp_tile = static_cast<int>(threadIdx.x / 32) * 32 * kLaneChunks;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) - remap_blocks;
+  const uint4* x = reinterpret_cast<const uint4*>(p.x) + warp_tile + lane;
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  // Starts the lane's copies of row t into buffer b, as one cp.async group.
+  auto copy_row = [&](int64_t t, int b) {
+    const uint4* row = x + t * chunks;
+    uint4* own = shared_rows + b * chunks + warp_tile + lane;
+#pragma unroll
+    for (int j = 0; j < kLaneChunks; ++j) {
+      asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(
+                       static_cast<uint32_t>(__cvta_generic_to_shared(own + 32 * j))),
+                   "l"(row + 32 * j), "l"(policy)
+                   : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  };
+  int64_t t = static_cast<int64_t>(blockIdx.x) - remap_blocks;
+  copy_row(t, 0);
+  for (int b = 0; t < p.tokens; t += stride, b ^= 1) {
+    if (t + stride < p.tokens) {
+      copy_row(t + stride, b ^ 1);
+      asm volatile("cp.async.wait_group 1;" ::: "memory");
+    } else {
+      asm volatile("cp.async.wait_group 0;" ::: "memory");
+    }
+    const uint4* current = shared_rows + b * chunks;
+    const Nvfp4Tile<kLaneChunks> maxima =
+        LoadNvfp4Tile<kLaneChunks, true, true>(current, warp_tile, chunks);
+    const Nvfp4RowScale rs = BeginNvfp4Row(p, t, TileMax(maxima), table);
+    const uint4* own = current + warp_tile + lane;
+    if (!rs.f16) {
+      QuantizeNvfp4Tile<kLaneChunks, false, true, true>(rs.out, maxima, warp_tile, chunks, table,
+                                                        rs.divisor, own);
+    } else {
+      QuantizeNvfp4Tile<kLaneChunks, true, true, true>(rs.out, maxima, warp_tile, chunks, table,
+                                                       rs.divisor, own);
+    }
+  }
+}
+
 using StagingKernel = void (*)(StagingParams, int);
 
 // StageNvfp4SharedKernel's rows (H <= 20480) and its static 4.2 KiB fit the 48 KiB of shared memory
@@ -819,9 +878,10 @@ constexpr size_t kMaxSharedRowBytes = 40 * 1024;
 // so that rows rather than the L1 / shared split bound its blocks per SM (the default split can
 // be smaller than 11 rows of H = 7168 need). The preference belongs to the function on the current
 // device: set once per kernel and device (first 64 devices; beyond, on every launch).
-cudaError_t PreferSharedCarveout(StagingKernel kernel, int lane_chunks) {
-  static std::atomic<uint64_t> done[3];  // bit d: set on device d; per lane-chunk count 4, 7, 14
-  std::atomic<uint64_t>& mask = done[lane_chunks == 4 ? 0 : lane_chunks == 7 ? 1 : 2];
+cudaError_t PreferSharedCarveout(StagingKernel kernel, int lane_chunks, bool pipeline = false) {
+  // Bit d: set on device d; per kernel (single-row or pipeline) and lane-chunk count 4, 7, 14.
+  static std::atomic<uint64_t> done[2][3];
+  std::atomic<uint64_t>& mask = done[pipeline][lane_chunks == 4 ? 0 : lane_chunks == 7 ? 1 : 2];
   int device = 0;
   if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
   const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
@@ -871,7 +931,8 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   int64_t quant_blocks = 0;
   int nvfp4_lane_chunks = 7;
   bool nvfp4_one_tile = false;
-  bool nvfp4_shared = false;  // StageNvfp4SharedKernel
+  bool nvfp4_shared = false;    // StageNvfp4SharedKernel
+  bool nvfp4_pipeline = false;  // StageNvfp4SharedPipelineKernel instead
   if (nvfp4) {
     // Warps per block and chunks per row padded to whole tiles, for a lane-chunk count; the count
     // that pads a row less wins (7 on a tie). At least one warp: a remap-only launch
@@ -903,6 +964,9 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
       }
     }
     if (quantize) quant_blocks = p.tokens;
+    // Not at 14 lane chunks, where the looping kernel spilled (16 bytes) at the 40-register cap.
+    nvfp4_pipeline = nvfp4_shared && p.nvfp4_shared_pipeline && nvfp4_lane_chunks != 14 &&
+                     static_cast<size_t>(chunks) * 32 <= kMaxSharedRowBytes;
   } else if (quantize) {
     const int64_t per_block = static_cast<int64_t>(mx_threads) * kMxfp8ThreadChunks;
     quant_blocks = (mx_chunks + per_block - 1) / per_block;
@@ -910,6 +974,29 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
   const int64_t routes = p.topk_ids != nullptr ? static_cast<int64_t>(p.tokens) * p.top_k : 0;
   const int remap_blocks = static_cast<int>((routes + threads - 1) / threads);
   if (quant_blocks + remap_blocks == 0) return cudaSuccess;
+  StagingKernel pipeline = nullptr;
+  if (nvfp4_pipeline) {
+    // One wave: as many looping blocks as fit on the device at once (fewer when rows are few).
+    pipeline = nvfp4_lane_chunks == 7 ? StageNvfp4SharedPipelineKernel<7>
+                                      : StageNvfp4SharedPipelineKernel<4>;
+    const size_t smem = static_cast<size_t>(p.hidden_size) * 4;
+    int device = 0, sms = 0, per_sm = 0;
+    if (const cudaError_t e = PreferSharedCarveout(pipeline, nvfp4_lane_chunks, true);
+        e != cudaSuccess) {
+      return e;
+    }
+    if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+    if (const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+        e != cudaSuccess) {
+      return e;
+    }
+    if (const cudaError_t e =
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, pipeline, threads, smem);
+        e != cudaSuccess) {
+      return e;
+    }
+    quant_blocks = std::min<int64_t>(quant_blocks, static_cast<int64_t>(std::max(per_sm, 1)) * sms);
+  }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(quant_blocks + remap_blocks));
   config.blockDim = dim3(static_cast<unsigned>(threads));
@@ -929,6 +1016,10 @@ cudaError_t LaunchStaging(const StagingParams& p, cudaStream_t stream) {
       : mx_threads == 512  ? StageMxfp8Kernel<512>
                            : StageMxfp8Kernel<256>;
   if (kernel == nullptr) return cudaErrorInvalidValue;
+  if (pipeline != nullptr) {
+    config.dynamicSmemBytes = static_cast<size_t>(p.hidden_size) * 4;
+    return cudaLaunchKernelEx(&config, pipeline, p, remap_blocks);
+  }
   if (nvfp4_shared) {
     config.dynamicSmemBytes = static_cast<size_t>(p.hidden_size) * 2;
     if (const cudaError_t e = PreferSharedCarveout(kernel, nvfp4_lane_chunks); e != cudaSuccess) {

@@ -117,14 +117,16 @@ size_t Mismatches(const std::vector<T>& got, const std::vector<T>& want) {
 // remap_only: no quantization input (x null, hidden_size 0): remap and load only, the
 // quantization outputs stay as poisoned; shared_lane_chunks: -1 the register kernels
 // (nvfp4_shared_rows off), else nvfp4_shared_rows (the default) with this
-// nvfp4_shared_lane_chunks; one_tile_registers: StagingParams::nvfp4_one_tile_registers.
+// nvfp4_shared_lane_chunks; one_tile_registers: StagingParams::nvfp4_one_tile_registers;
+// pipeline: StagingParams::nvfp4_shared_pipeline.
 void CheckCase(StagingFormat format, int64_t tokens, int64_t hidden, uint64_t seed,
                int mx_threads = 0, bool programmatic = true, bool remap_only = false,
-               int shared_lane_chunks = 0, int one_tile_registers = 0) {
+               int shared_lane_chunks = 0, int one_tile_registers = 0, bool pipeline = false) {
   SCOPED_TRACE(testing::Message() << (format == StagingFormat::kMxfp8 ? "MXFP8" : "NVFP4")
                                   << " T=" << tokens << " H=" << hidden << " seed=" << seed
                                   << " one_tile_registers=" << one_tile_registers
-                                  << " shared_lane_chunks=" << shared_lane_chunks);
+                                  << " shared_lane_chunks=" << shared_lane_chunks
+                                  << " pipeline=" << pipeline);
   std::mt19937_64 rng(seed);
   const bool mx = format == StagingFormat::kMxfp8;
   const int64_t q_bytes = mx ? tokens * hidden : tokens * hidden / 2;
@@ -199,6 +201,7 @@ void CheckCase(StagingFormat format, int64_t tokens, int64_t hidden, uint64_t se
   p.nvfp4_one_tile_registers = one_tile_registers;
   p.nvfp4_shared_rows = shared_lane_chunks >= 0;
   p.nvfp4_shared_lane_chunks = std::max(shared_lane_chunks, 0);
+  p.nvfp4_shared_pipeline = pipeline;
   if (remap_only) {
     p.x = nullptr;
     p.hidden_size = 0;
@@ -297,6 +300,29 @@ TEST(StagingCudaTest, Nvfp4MatchesCpuBitForBit) {
                 seed + tokens * 23 + f.hidden * 5 + f.lane_chunks, 0, true, false, f.lane_chunks);
     }
   }
+}
+
+// The looping two-buffer kernel (nvfp4_shared_pipeline): one-tile rows of 4 lane chunks (2048,
+// 4096) and 7 (1792, 3584, 7168), forced 4 at 7168; forced 14 (not a pipeline instance) and
+// 20480 (two rows over the kernel's limit) fall back to the single-row kernel. 1 and 333 tokens
+// leave blocks without a second row; 4096 and 9000 make every block loop, the last ones unevenly. A
+// remap-only launch beside it.
+TEST(StagingCudaTest, Nvfp4SharedPipelineMatchesCpuBitForBit) {
+  const uint64_t seed = FreshSeed();
+  for (int64_t hidden : {1792, 2048, 3584, 4096, 7168, 20480}) {
+    for (int64_t tokens : {1, 333, 4096}) {
+      if (hidden > 8192 && tokens > 333) continue;
+      CheckCase(StagingFormat::kNvfp4, tokens, hidden, seed + tokens * 29 + hidden * 7, 0, true,
+                false, 0, 0, true);
+    }
+  }
+  CheckCase(StagingFormat::kNvfp4, 9000, 7168, seed + 3, 0, true, false, 0, 0, true);
+  for (int lane_chunks : {4, 14}) {
+    CheckCase(StagingFormat::kNvfp4, 4096, 7168, seed + lane_chunks, 0, true, false, lane_chunks, 0,
+              true);
+  }
+  CheckCase(StagingFormat::kNvfp4, 333, 7168, seed + 9, 0, false, false, 0, 0, true);
+  CheckCase(StagingFormat::kNvfp4, 333, 128, seed + 11, 0, true, true, 0, 0, true);
 }
 
 TEST(StagingCudaTest, RemapOnlyAndRejectsBadHidden) {

@@ -69,6 +69,11 @@ struct StagingParams {
   // 4), 4, 7 or 14; a forced count applies where it makes a row one tile of at most 32 warps
   // (H = 7168: 7 warps at 4, 4 at 7, 2 at 14).
   int32_t nvfp4_shared_lane_chunks = 0;
+  // Experiment, with nvfp4_shared_rows (not timed on a GPU yet; NOTES-cuda.md, "Session of
+  // 2026-12-08"): one-tile rows of at most 20 KiB (H <= 10240) go to a grid of one wave of blocks
+  // that loop over rows and copy each next row into a second shared buffer while they encode the
+  // current one (StageNvfp4SharedPipelineKernel; 4 or 7 lane chunks). Other rows as without it.
+  bool nvfp4_shared_pipeline = false;
   // Tuning, without nvfp4_shared_rows: register cap of the kernel for rows of exactly one tile of
   // 7 lane chunks (H a multiple of 1792 up to 7168): 0 its default (64), or 56, 64 or 72 (fewer
   // registers hold more rows per SM; staging.cu, Nvfp4Shape).
