@@ -763,6 +763,27 @@ __global__ void __maxnreg__(kRegisters) StageNvfp4Kernel(const StagingParams p, 
       p, t, LoadNvfp4Tile<kLaneChunks, kOneTile>(row, warp_tile, chunks), table);
 }
 
+// An L2 policy for bytes read once: evict first, as the register kernels' streaming loads
+// (ld.global.cs).
+__device__ __forceinline__ uint64_t EvictFirstPolicy() {
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+// Starts the lane's copies of its chunks of a row (row[32 j] -> own[32 j], j < kLaneChunks) into
+// shared memory, bypassing L1 (cp.async.cg) under `policy`; not committed or waited for here.
+template <int kLaneChunks>
+__device__ __forceinline__ void CopyLaneChunksAsync(uint4* own, const uint4* row, uint64_t policy) {
+#pragma unroll
+  for (int j = 0; j < kLaneChunks; ++j) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(
+                     static_cast<uint32_t>(__cvta_generic_to_shared(own + 32 * j))),
+                 "l"(row + 32 * j), "l"(policy)
+                 : "memory");
+  }
+}
+
 // The one-tile kernel with the row staged through shared memory (StagingParams::
 // nvfp4_shared_rows): each lane copies its own chunks of the row into the block's shared memory
 // (cp.async, L2 only), waits for its own copies (no barrier: it reads back only what it copied),
@@ -784,17 +805,7 @@ __global__ void __maxnreg__(kNvfp4SharedRowRegisters)
   const int warp_tile = static_cast<int>(threadIdx.x / 32) * 32 * kLaneChunks;
   const uint4* row = reinterpret_cast<const uint4*>(p.x) + t * chunks + warp_tile + lane;
   uint4* own = shared_row + warp_tile + lane;
-  // Evict-first in L2, as the register kernels' streaming loads (ld.global.cs): the row is read
-  // once.
-  uint64_t policy;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-#pragma unroll
-  for (int j = 0; j < kLaneChunks; ++j) {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(
-                     static_cast<uint32_t>(__cvta_generic_to_shared(own + 32 * j))),
-                 "l"(row + 32 * j), "l"(policy)
-                 : "memory");
-  }
+  CopyLaneChunksAsync<kLaneChunks>(own, row, EvictFirstPolicy());  // the row is read once
   asm volatile("cp.async.wait_all;" ::: "memory");
   // The maxima (the chunks themselves are dropped until after the barriers).
   const Nvfp4Tile<kLaneChunks> maxima =
@@ -829,19 +840,11 @@ __global__ void __maxnreg__(kNvfp4SharedRowRegisters)
   const int warp_tile = static_cast<int>(threadIdx.x / 32) * 32 * kLaneChunks;
   const int64_t stride = static_cast<int64_t>(gridDim.x) - remap_blocks;
   const uint4* x = reinterpret_cast<const uint4*>(p.x) + warp_tile + lane;
-  uint64_t policy;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  const uint64_t policy = EvictFirstPolicy();
   // Starts the lane's copies of row t into buffer b, as one cp.async group.
   auto copy_row = [&](int64_t t, int b) {
-    const uint4* row = x + t * chunks;
-    uint4* own = shared_rows + b * chunks + warp_tile + lane;
-#pragma unroll
-    for (int j = 0; j < kLaneChunks; ++j) {
-      asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(
-                       static_cast<uint32_t>(__cvta_generic_to_shared(own + 32 * j))),
-                   "l"(row + 32 * j), "l"(policy)
-                   : "memory");
-    }
+    CopyLaneChunksAsync<kLaneChunks>(shared_rows + b * chunks + warp_tile + lane, x + t * chunks,
+                                     policy);
     asm volatile("cp.async.commit_group;" ::: "memory");
   };
   int64_t t = static_cast<int64_t>(blockIdx.x) - remap_blocks;
