@@ -784,6 +784,27 @@ __device__ __forceinline__ void CopyLaneChunksAsync(uint4* own, const uint4* row
   }
 }
 
+// The rest of a shared-row kernel's row t once the lane's copies of its chunks have arrived in
+// `shared_row` (the row's copy): the maxima (the chunks themselves are dropped until after the
+// barriers), BeginNvfp4Row's two barriers, and the encode, which reads the chunks again.
+template <int kLaneChunks>
+__device__ __forceinline__ void QuantizeSharedRow(const StagingParams& p, int64_t t,
+                                                  const uint4* shared_row, int warp_tile,
+                                                  Nvfp4ScaleTable& table) {
+  const int chunks = p.hidden_size / 8;
+  const Nvfp4Tile<kLaneChunks> maxima =
+      LoadNvfp4Tile<kLaneChunks, true, true>(shared_row, warp_tile, chunks);
+  const Nvfp4RowScale rs = BeginNvfp4Row(p, t, TileMax(maxima), table);
+  const uint4* own = shared_row + warp_tile + (threadIdx.x & 31);
+  if (!rs.f16) {
+    QuantizeNvfp4Tile<kLaneChunks, false, true, true>(rs.out, maxima, warp_tile, chunks, table,
+                                                      rs.divisor, own);
+  } else {
+    QuantizeNvfp4Tile<kLaneChunks, true, true, true>(rs.out, maxima, warp_tile, chunks, table,
+                                                     rs.divisor, own);
+  }
+}
+
 // The one-tile kernel with the row staged through shared memory (StagingParams::
 // nvfp4_shared_rows): each lane copies its own chunks of the row into the block's shared memory
 // (cp.async, L2 only), waits for its own copies (no barrier: it reads back only what it copied),
@@ -804,20 +825,10 @@ __global__ void __maxnreg__(kNvfp4SharedRowRegisters)
   const int lane = threadIdx.x & 31;
   const int warp_tile = static_cast<int>(threadIdx.x / 32) * 32 * kLaneChunks;
   const uint4* row = reinterpret_cast<const uint4*>(p.x) + t * chunks + warp_tile + lane;
-  uint4* own = shared_row + warp_tile + lane;
-  CopyLaneChunksAsync<kLaneChunks>(own, row, EvictFirstPolicy());  // the row is read once
+  // The row is read once.
+  CopyLaneChunksAsync<kLaneChunks>(shared_row + warp_tile + lane, row, EvictFirstPolicy());
   asm volatile("cp.async.wait_all;" ::: "memory");
-  // The maxima (the chunks themselves are dropped until after the barriers).
-  const Nvfp4Tile<kLaneChunks> maxima =
-      LoadNvfp4Tile<kLaneChunks, true, true>(shared_row, warp_tile, chunks);
-  const Nvfp4RowScale rs = BeginNvfp4Row(p, t, TileMax(maxima), table);
-  if (!rs.f16) {
-    QuantizeNvfp4Tile<kLaneChunks, false, true, true>(rs.out, maxima, warp_tile, chunks, table,
-                                                      rs.divisor, own);
-  } else {
-    QuantizeNvfp4Tile<kLaneChunks, true, true, true>(rs.out, maxima, warp_tile, chunks, table,
-                                                     rs.divisor, own);
-  }
+  QuantizeSharedRow<kLaneChunks>(p, t, shared_row, warp_tile, table);
 }
 
 // The shared-row kernel as one wave of blocks that loop over rows (blockIdx - remap_blocks, then
@@ -856,18 +867,7 @@ __global__ void __maxnreg__(kNvfp4SharedRowRegisters)
     } else {
       asm volatile("cp.async.wait_group 0;" ::: "memory");
     }
-    const uint4* current = shared_rows + b * chunks;
-    const Nvfp4Tile<kLaneChunks> maxima =
-        LoadNvfp4Tile<kLaneChunks, true, true>(current, warp_tile, chunks);
-    const Nvfp4RowScale rs = BeginNvfp4Row(p, t, TileMax(maxima), table);
-    const uint4* own = current + warp_tile + lane;
-    if (!rs.f16) {
-      QuantizeNvfp4Tile<kLaneChunks, false, true, true>(rs.out, maxima, warp_tile, chunks, table,
-                                                        rs.divisor, own);
-    } else {
-      QuantizeNvfp4Tile<kLaneChunks, true, true, true>(rs.out, maxima, warp_tile, chunks, table,
-                                                       rs.divisor, own);
-    }
+    QuantizeSharedRow<kLaneChunks>(p, t, shared_rows + b * chunks, warp_tile, table);
   }
 }
 
