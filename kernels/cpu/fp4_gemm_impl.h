@@ -122,10 +122,11 @@ void WithRoutes(int64_t n, Fn&& fn) {
 constexpr int StreamParts(int chains) { return chains >= 4 ? 1 : (chains >= 2 ? 2 : 4); }
 
 // How far ahead of the chunk being decoded the decode loops (streaming and panel) ask for weights:
-// 64 chunks, 4 KiB. On a Sapphire Rapids guest the hardware prefetchers alone left one token at
-// ~1.8x the read floor; 32 to 256 chunks ahead all brought it to ~1.0x (NOTES-cpu.md,
-// 2026-12-07). Past a group's end the lines are the next group's of the same matrix (contiguous);
-// past a matrix's end the hint is dropped or fetches a line nobody reads.
+// 64 chunks, 4 KiB. On a Sapphire Rapids-class guest the hardware prefetchers alone left one
+// token at ~1.8x the read floor; 32 to 256 chunks ahead all brought it to ~1.0x (NOTES-cpu.md,
+// 2026-12-08; bench/probes/fp4_stream_prefetch.cc). Past a group's end the lines are the next
+// group's of the same matrix (contiguous); past a matrix's end the hint is dropped or fetches a
+// line nobody reads.
 constexpr int64_t kWeightPrefetchChunks = 64;
 
 // acc[t] = sum over blocks of group g for T routes; each chunk decoded once for all T.
