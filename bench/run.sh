@@ -9,6 +9,8 @@ usage() {
 usage: ./moe bench NAME [ARGS...]
 
   cpu        bench/cpu_bench: optimized CPU backend vs the reference, problem D and gpt-oss shapes
+  cpu-peer   bench/cpu_peer.py: problem D beside ggml's MUL_MAT_ID on this host, alternating
+             rounds (--ggml_bin: a test-backend-ops built from a ggml checkout outside the repo)
   eplb       bench/eplb_bench: EPLB planner quality and planning time on the Zipf trace
   rpc        bench/rpc_bench: Forward transport (protobuf, raw buffers, shared memory)
   metrics    bench/metrics_bench: cost of the metrics hooks and scrapes
@@ -28,6 +30,7 @@ shift || true
 case "$name" in
   cpu|eplb|rpc|metrics|kernel|staging) target="//bench:${name}_bench" ;;
   fuzz) exec bench/fuzz/run.sh "$@" ;;
+  cpu-peer) exec python3 bench/cpu_peer.py "$@" ;;
   sass) exec python3 bench/sass_budget.py "$@" ;;
   ""|-h|--help) usage; exit 0 ;;
   *) usage >&2; echo "bench: unknown benchmark '$name'" >&2; exit 2 ;;
