@@ -1,6 +1,6 @@
 // Scaffolding shared by the GPU benchmarks (kernel_bench, staging_bench): exit-on-error checks,
-// order statistics of timing samples, and the device-to-device copy bandwidth every GPU figure
-// is compared with.
+// order statistics of timing samples, CUDA-graph replay timing, and the device-to-device copy
+// bandwidth every GPU figure is compared with.
 //
 // Benchmark-only (exits the process on errors). Header-only; needs the CUDA runtime.
 #ifndef MOE_BENCH_GPU_BENCH_UTIL_H_
@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,40 @@ inline Stats Summarize(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   auto at = [&](double q) { return v[static_cast<size_t>(q * (v.size() - 1) + 0.5)]; };
   return Stats{at(0.5), at(0.1), at(0.9), v.front(), v.back()};
+}
+
+// Captures what `enqueue(stream)` enqueues into a CUDA graph and times `reps` replays of it with
+// events (after 3 untimed ones): each replay's time in microseconds divided by `units` (the
+// passes or launches the graph holds). `after_replay`, when set, runs after each timed replay.
+template <typename Enqueue>
+std::vector<double> TimeGraphReplays(cudaStream_t stream, Enqueue&& enqueue, int reps, double units,
+                                     const std::function<void()>& after_replay = {}) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_CHECK_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  enqueue(stream);
+  CUDA_CHECK_OK(cudaStreamEndCapture(stream, &graph));
+  CUDA_CHECK_OK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t start, stop;
+  CUDA_CHECK_OK(cudaEventCreate(&start));
+  CUDA_CHECK_OK(cudaEventCreate(&stop));
+  std::vector<double> us;
+  for (int i = 0; i < reps + 3; ++i) {
+    CUDA_CHECK_OK(cudaEventRecord(start, stream));
+    CUDA_CHECK_OK(cudaGraphLaunch(exec, stream));
+    CUDA_CHECK_OK(cudaEventRecord(stop, stream));
+    CUDA_CHECK_OK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CUDA_CHECK_OK(cudaEventElapsedTime(&ms, start, stop));
+    if (i < 3) continue;
+    us.push_back(ms * 1e3 / units);
+    if (after_replay) after_replay();
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  return us;
 }
 
 inline nlohmann::json ToJson(const Stats& s) {

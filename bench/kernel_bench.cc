@@ -171,37 +171,15 @@ std::vector<double> TimeGraph(const cuda::DeviceExpertLayer& layer, cuda::Expert
                               const std::vector<std::unique_ptr<DeviceInputs>>& sets,
                               bool with_copies, int reps, cudaStream_t stream,
                               std::vector<double>* end_wall_ms = nullptr) {
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CUDA_CHECK_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  EnqueuePasses(layer, runner, sets, with_copies, stream);
-  CUDA_CHECK_OK(cudaStreamEndCapture(stream, &graph));
-  CUDA_CHECK_OK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t start, stop;
-  CUDA_CHECK_OK(cudaEventCreate(&start));
-  CUDA_CHECK_OK(cudaEventCreate(&stop));
-  std::vector<double> us;
-  for (int i = 0; i < reps + 3; ++i) {
-    CUDA_CHECK_OK(cudaEventRecord(start, stream));
-    CUDA_CHECK_OK(cudaGraphLaunch(exec, stream));
-    CUDA_CHECK_OK(cudaEventRecord(stop, stream));
-    CUDA_CHECK_OK(cudaEventSynchronize(stop));
-    float ms = 0;
-    CUDA_CHECK_OK(cudaEventElapsedTime(&ms, start, stop));
-    if (i >= 3) {
-      us.push_back(ms * 1e3 / sets.size());
-      if (end_wall_ms != nullptr) {
+  return TimeGraphReplays(
+      stream, [&](cudaStream_t s) { EnqueuePasses(layer, runner, sets, with_copies, s); }, reps,
+      static_cast<double>(sets.size()),
+      [end_wall_ms] {
+        if (end_wall_ms == nullptr) return;
         end_wall_ms->push_back(std::chrono::duration<double, std::milli>(
                                    std::chrono::system_clock::now().time_since_epoch())
                                    .count());
-      }
-    }
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  return us;
+      });
 }
 
 // Median time of each stage (prologue, GEMM1, GEMM2, combine) over plain launches.

@@ -111,31 +111,14 @@ std::unique_ptr<StagingSet> MakeSet(StagingFormat format, int64_t tokens,
 // Median microseconds per launch: a graph of `copies` passes over `sets`, replayed `reps` times.
 double TimeLaunches(const std::vector<std::unique_ptr<StagingSet>>& sets, int copies, int reps,
                     cudaStream_t stream) {
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CUDA_CHECK_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (int c = 0; c < copies; ++c) {
-    for (const auto& s : sets) BENCH_CHECK_OK(cuda::EnqueueStaging(s->params, stream));
-  }
-  CUDA_CHECK_OK(cudaStreamEndCapture(stream, &graph));
-  CUDA_CHECK_OK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t start, stop;
-  CUDA_CHECK_OK(cudaEventCreate(&start));
-  CUDA_CHECK_OK(cudaEventCreate(&stop));
-  std::vector<double> us;
-  for (int i = 0; i < reps + 3; ++i) {
-    CUDA_CHECK_OK(cudaEventRecord(start, stream));
-    CUDA_CHECK_OK(cudaGraphLaunch(exec, stream));
-    CUDA_CHECK_OK(cudaEventRecord(stop, stream));
-    CUDA_CHECK_OK(cudaEventSynchronize(stop));
-    float ms = 0;
-    CUDA_CHECK_OK(cudaEventElapsedTime(&ms, start, stop));
-    if (i >= 3) us.push_back(ms * 1e3 / (copies * sets.size()));
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
+  const std::vector<double> us = TimeGraphReplays(
+      stream,
+      [&](cudaStream_t s) {
+        for (int c = 0; c < copies; ++c) {
+          for (const auto& set : sets) BENCH_CHECK_OK(cuda::EnqueueStaging(set->params, s));
+        }
+      },
+      reps, static_cast<double>(copies) * sets.size());
   return Summarize(us).median;
 }
 
