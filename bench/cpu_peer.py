@@ -28,11 +28,16 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASE = "type_a=mxfp4,type_b=f32,n_mats=32,n_used=4,b=0,m=2880,n={n},k=2880"
 # "MUL_MAT_ID(<case>):   1694 runs -   608.94 us/run -  66.36 MFLOP/run - 108.97 GFLOPS"
-LINE = re.compile(r"MUL_MAT_ID\((?P<case>[^)]*)\):\s+(?P<runs>\d+) runs -\s+(?P<us>[0-9.]+) us/run")
+LINE = re.compile(r"MUL_MAT_ID\((?P<case>[^)]*)\):\s+(?P<runs>\d+) runs -"
+                  r"\s+(?P<us>[0-9.]+) us/run")
 
 
 def run(cmd, **kw):
-    return subprocess.run(cmd, check=True, text=True, capture_output=True, **kw).stdout
+    """stdout of cmd; on failure, exits with the command and what it printed."""
+    r = subprocess.run(cmd, text=True, capture_output=True, **kw)
+    if r.returncode != 0:
+        sys.exit(f"cpu-peer: {' '.join(cmd)} exited with {r.returncode}:\n{r.stdout}{r.stderr}")
+    return r.stdout
 
 
 def ggml_round(binary, tokens):
@@ -45,7 +50,8 @@ def ggml_round(binary, tokens):
         found[n] = {"us_per_run": float(m.group("us")), "runs": int(m.group("runs"))}
     missing = [t for t in tokens if t not in found]
     if missing:
-        sys.exit(f"cpu-peer: ggml printed no MUL_MAT_ID perf line for n={missing}; its output:\n{out}")
+        sys.exit(f"cpu-peer: ggml printed no MUL_MAT_ID perf line for n={missing}; "
+                 f"its output:\n{out}")
     return found
 
 
@@ -73,7 +79,9 @@ def host():
             if k in ("model name", "cpu family", "model") and k not in info:
                 info[k] = v
             if k == "flags" and "flags" not in info:
-                info["flags"] = " ".join(x for x in v.split() if x.startswith(("avx512", "amx")) or x in ("avx2", "avx_vnni"))
+                info["flags"] = " ".join(x for x in v.split()
+                                         if x.startswith(("avx512", "amx"))
+                                         or x in ("avx2", "avx_vnni"))
     info["cpus"] = os.cpu_count()
     return info
 
@@ -91,8 +99,11 @@ def main():
     if a.rounds < 1:
         sys.exit("cpu-peer: --rounds must be at least 1")
     print("cpu-peer: building //bench:cpu_bench (-c opt)", file=sys.stderr)
-    config = [] if os.access("/usr/local/cuda/bin/nvcc", os.X_OK) and os.environ.get("MOE_NOCUDA") != "1" else ["--config=nocuda"]
-    subprocess.run(["bazel", "build", "-c", "opt", *config, "//bench:cpu_bench"], check=True, cwd=ROOT)
+    cuda = os.access("/usr/local/cuda/bin/nvcc", os.X_OK) and os.environ.get("MOE_NOCUDA") != "1"
+    config = [] if cuda else ["--config=nocuda"]
+    if subprocess.run(["bazel", "build", "-c", "opt", *config, "//bench:cpu_bench"],
+                      cwd=ROOT).returncode != 0:
+        sys.exit("cpu-peer: building //bench:cpu_bench failed")
     ours_bin = os.path.join(ROOT, "bazel-bin/bench/cpu_bench")
     commit = run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT).strip()
     tokens = [1, 512]
